@@ -1,0 +1,92 @@
+"""Bucket choice for jitted passes, and a process-wide count of every XLA compilation.
+
+Every padded size a pass may be compiled for comes from here, so a run can list (and warm up)
+all the shapes it needs before its clock starts. Never compile anything in this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+from jax import monitoring
+
+from jaxbatch.sched.state import DECODE, Plan
+
+_compiles = 0
+
+
+def _count(event: str, duration: float, **kwargs) -> None:
+    global _compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles += 1
+
+
+monitoring.register_event_duration_secs_listener(_count)
+
+
+def num_compiles() -> int:
+    """XLA compilations in this process so far: every jitted function, eager op and warm-up."""
+    return _compiles
+
+
+def pow2_at_least(n: int, lo: int, hi: int) -> int:
+    """The smallest power of two >= max(n, lo), capped at hi."""
+    return min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The static shape of one pass: rows, tokens per row, context positions read per row."""
+
+    rows: int
+    tokens: int
+    context: int
+
+
+@dataclass(frozen=True)
+class Buckets:
+    num_slots: int
+    max_len: int
+    min_len: int = 16
+
+    def length(self, n: int) -> int:
+        return pow2_at_least(n, self.min_len, self.max_len)
+
+    def count(self, n: int) -> int:
+        return pow2_at_least(n, 1, self.num_slots)
+
+    def decode(self, max_end: int) -> PassShape:
+        return PassShape(self.num_slots, 1, self.length(max_end))
+
+    def prefill(self, count: int, max_tokens: int, max_end: int) -> PassShape:
+        return PassShape(self.count(count), self.length(max_tokens), self.length(max_end))
+
+    def shape_of(self, plan: Plan) -> PassShape:
+        """The bucketed shape of a host-side (numpy) plan."""
+        active = plan.num_tokens > 0
+        max_end = int((plan.start_pos + plan.num_tokens)[active].max())
+        if int(plan.kind) == DECODE:
+            return self.decode(max_end)
+        return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end)
+
+    def for_workload(self, prompt_len: np.ndarray, max_new: np.ndarray) -> list[PassShape]:
+        """Every shape a prefill-first run of these requests can use (prompts start at 0)."""
+        if len(prompt_len) == 0:
+            return []
+        lengths = sorted({self.length(p) for p in prompt_len})
+        counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
+        prefill = [PassShape(c, t, t) for c, t in itertools.product(counts, lengths)]
+        lo = self.length(int(np.min(prompt_len)) + 1)
+        hi = self.length(int(np.max(prompt_len + max_new)))
+        contexts = sorted({self.length(c) for c in _pow2_range(lo, hi)})
+        return prefill + [PassShape(self.num_slots, 1, c) for c in contexts]
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, c = [], lo
+    while c < hi:
+        out.append(c)
+        c *= 2
+    return out + [hi]

@@ -1,0 +1,146 @@
+"""Real execution of a plan: one jitted, shape-bucketed pass of the Flax model per plan.
+
+Prefill and decode are the same function at different static shapes (rows x tokens, context read):
+each row feeds its slot's tokens at their positions, writes their KV, and samples one token from its
+last position. Parameters, cache and the token buffer are explicit arguments; the cache and token
+buffer are donated. This module never decides what runs: the plan does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from jaxbatch.backend.buckets import Buckets, PassShape
+from jaxbatch.model.kvcache import CacheIndex, SlotCache, init_slot_cache
+from jaxbatch.model.spec import ModelSpec
+from jaxbatch.model.transformer import Transformer
+from jaxbatch.sched.state import DECODE, PREFILL, Plan
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy. A request's draws depend only on (seed, request id, position)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+
+def sample(logits: Array, req: Array, pos: Array, sampling: Sampling) -> Array:
+    """logits [R, V], req [R], pos [R] (the position of the token being drawn) -> tokens [R]."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(scaled, sampling.top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    base = jax.random.PRNGKey(sampling.seed)
+
+    def draw(row_logits, r, p):
+        key = jax.random.fold_in(jax.random.fold_in(base, r), p)
+        return jax.random.categorical(key, row_logits)
+
+    return jax.vmap(draw)(scaled, req, pos).astype(jnp.int32)
+
+
+def _pass(
+    params, cache, token_buf, prompt_len, row_slot, row_req, row_start, row_len,
+    *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool,
+):  # fmt: skip
+    """One forward pass over `shape.rows` rows of `shape.tokens` tokens each."""
+    t = jnp.arange(shape.tokens)
+    positions = row_start[:, None] + t
+    valid = t < row_len[:, None]
+    tokens = token_buf.at[row_req[:, None], positions].get(mode="clip")
+    index = CacheIndex(slots=row_slot, positions=positions, valid=valid)
+    logits, cache = Transformer(spec).apply(
+        {"params": params}, tokens, positions, cache, index, shape.context,
+        logit_index=jnp.maximum(row_len - 1, 0),
+    )  # fmt: skip
+    next_pos = row_start + row_len
+    drawn = sample(logits, row_req, next_pos, sampling)
+    # Only a row whose known tokens are all cached has drawn a real output token.
+    emits = (row_len > 0) & (next_pos >= prompt_len.at[row_req].get(mode="clip"))
+    n = token_buf.shape[0]
+    token_buf = token_buf.at[jnp.where(emits, row_req, n), next_pos].set(drawn, mode="drop")
+    out_tokens = jnp.full((num_slots,), -1, jnp.int32).at[row_slot].set(drawn, mode="drop")
+    out_logits = None
+    if with_logits:
+        out_logits = jnp.zeros((num_slots, spec.vocab_size), jnp.float32)
+        out_logits = out_logits.at[row_slot].set(logits, mode="drop")
+    return cache, token_buf, out_tokens, out_logits
+
+
+@lru_cache(maxsize=None)
+def _jitted_pass(
+    spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool
+):
+    """One jitted function per static configuration, shared by every Runner of the process."""
+    fn = partial(
+        _pass, spec=spec, shape=shape, sampling=sampling, num_slots=num_slots,
+        with_logits=with_logits,
+    )  # fmt: skip
+    return jax.jit(fn, donate_argnums=(1, 2))
+
+
+class Runner:
+    """Holds the device state of a real run (parameters, KV cache, token buffer) and runs plans."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict,
+        num_slots: int,
+        prompts: np.ndarray,
+        prompt_len: np.ndarray,
+        sampling: Sampling = Sampling(),
+        with_logits: bool = False,
+        min_bucket: int = 16,
+    ):
+        self.spec, self.params, self.num_slots = spec, params, num_slots
+        self.buckets = Buckets(num_slots=num_slots, max_len=spec.max_len, min_len=min_bucket)
+        self.sampling, self.with_logits = sampling, with_logits
+        self.cache: SlotCache = init_slot_cache(spec, num_slots)
+        self.token_buf = jnp.asarray(prompts, jnp.int32)  # [N, max_len]: prompt, then outputs
+        self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
+
+    def _call(self, shape: PassShape, slot, req, start, length) -> tuple[Array, Array | None]:
+        fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
+        self.cache, self.token_buf, tokens, logits = fn(
+            self.params, self.cache, self.token_buf, self.prompt_len, slot, req, start, length
+        )
+        return tokens, logits
+
+    def warmup(self, shapes: list[PassShape]) -> None:
+        """Compile (and run once, writing nothing) every shape in `shapes`."""
+        for shape in shapes:
+            idle_slot = np.full(shape.rows, self.num_slots, np.int32)
+            zeros = np.zeros(shape.rows, np.int32)
+            self._call(shape, idle_slot, zeros, zeros, zeros)
+        jax.block_until_ready(self.cache)
+
+    def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
+        """Each request's output token ids, read back once at the end of a run."""
+        buf, plen = np.asarray(self.token_buf), np.asarray(self.prompt_len)
+        return [buf[i, plen[i] : plen[i] + g] for i, g in enumerate(num_generated)]
+
+    def execute(self, plan: Plan) -> tuple[Array, Array | None]:
+        """Run a host-side plan; returns device arrays: each slot's drawn token [B] (and logits)."""
+        shape = self.buckets.shape_of(plan)
+        if int(plan.kind) == DECODE:
+            slots = np.arange(self.num_slots, dtype=np.int32)
+            return self._call(shape, slots, plan.req, plan.start_pos, plan.num_tokens)
+        assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
+        slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
+        pad = shape.rows - len(slots)
+        row_slot = np.concatenate([slots, np.full(pad, self.num_slots, np.int32)])
+        row_req = np.concatenate([plan.req[slots], np.zeros(pad, np.int32)])
+        row_start = np.concatenate([plan.start_pos[slots], np.zeros(pad, np.int32)])
+        row_len = np.concatenate([plan.num_tokens[slots], np.zeros(pad, np.int32)])
+        return self._call(shape, row_slot, row_req, row_start, row_len)

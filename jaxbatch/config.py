@@ -1,0 +1,167 @@
+"""Structured configs (dataclasses registered in Hydra's ConfigStore) and their validation.
+
+`validate` runs before anything compiles and raises ConfigError with one message naming the field,
+its value and what would be valid. Never build models or workloads here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from jaxbatch.model.spec import DTYPES, ModelSpec
+
+POLICY_NAMES = ("static", "continuous")
+MODEL_NAMES = ("tiny", "custom")
+BACKENDS = ("runner", "simulator")
+CLOCKS = ("measured", "passes")
+
+
+class ConfigError(ValueError):
+    """One bad config field: the message says which, its value, and what is valid."""
+
+    def __init__(self, field_name: str, value, valid: str):
+        super().__init__(f"{field_name}={value!r} is not valid: {valid}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 2048
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_mlp: int = 688
+    max_len: int = 1024
+    dtype: str = "float32"
+    seed: int = 0
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(
+            vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
+            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_mlp=self.d_mlp,
+            max_len=self.max_len, dtype=self.dtype,
+        )  # fmt: skip
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "continuous"
+    max_wait_s: float = 0.0  # static only: wait up to this long for a full batch
+
+
+@dataclass
+class LengthConfig:
+    dist: str = "fixed"  # fixed | uniform | lognormal
+    mean: float = 32
+    low: int = 1
+    high: int = 512
+    sigma: float = 1.0
+
+
+@dataclass
+class WorkloadConfig:
+    kind: str = "synthetic"  # synthetic | trace
+    num_requests: int = 32
+    arrival: str = "offline"  # offline | poisson | gamma
+    rate: float = 10.0  # requests/s for poisson and gamma
+    burstiness: float = 1.0  # gamma shape; 1 is Poisson
+    prompt: LengthConfig = field(default_factory=LengthConfig)
+    output: LengthConfig = field(default_factory=lambda: LengthConfig(mean=64))
+    seed: int = 0
+    path: str = ""  # trace CSV (Azure schema)
+    limit: int = 0  # trace rows to keep, 0 = all
+    time_scale: float = 1.0  # multiplies trace arrival times
+    length_scale: float = 1.0  # multiplies trace prompt and output lengths
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "runner"  # runner | simulator
+    num_slots: int = 8
+    clock: str = "measured"  # measured | passes
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    eos_id: int = -1  # -1: ignore EOS, as trace replay requires
+    min_bucket: int = 16
+
+
+@dataclass
+class OutputConfig:
+    tokens: bool = False  # write tokens.jsonl
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def _positive(name: str, value) -> None:
+    if not value > 0:
+        raise ConfigError(name, value, "must be > 0")
+
+
+def _one_of(name: str, value, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(name, value, "use one of " + ", ".join(valid))
+
+
+def validate(cfg: Config) -> None:
+    m, p, w, e = cfg.model, cfg.policy, cfg.workload, cfg.engine
+    _one_of("model.name", m.name, MODEL_NAMES)
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "max_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    _one_of("model.dtype", m.dtype, tuple(DTYPES))
+    if m.d_model % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads, f"must divide d_model={m.d_model}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must divide n_heads={m.n_heads}")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", m.n_heads, "d_model / n_heads must be even (RoPE)")
+    _one_of("policy.name", p.name, POLICY_NAMES)
+    if p.max_wait_s < 0:
+        raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
+    _one_of("workload.kind", w.kind, ("synthetic", "trace"))
+    if w.kind == "synthetic":
+        _positive("workload.num_requests", w.num_requests)
+        _one_of("workload.arrival", w.arrival, ("offline", "poisson", "gamma"))
+        if w.arrival != "offline":
+            _positive("workload.rate", w.rate)
+            _positive("workload.burstiness", w.burstiness)
+        for part in ("prompt", "output"):
+            d: LengthConfig = getattr(w, part)
+            _one_of(f"workload.{part}.dist", d.dist, ("fixed", "uniform", "lognormal"))
+            _positive(f"workload.{part}.mean", d.mean)
+            _positive(f"workload.{part}.low", d.low)
+            if d.high < d.low:
+                raise ConfigError(f"workload.{part}.high", d.high, f"must be >= low={d.low}")
+    else:
+        if not w.path:
+            raise ConfigError("workload.path", w.path, "a trace workload needs a CSV path")
+        if w.limit < 0:
+            raise ConfigError("workload.limit", w.limit, "must be >= 0 (0 keeps every row)")
+        _positive("workload.time_scale", w.time_scale)
+        _positive("workload.length_scale", w.length_scale)
+    _one_of("engine.backend", e.backend, BACKENDS)
+    _positive("engine.num_slots", e.num_slots)
+    _one_of("engine.clock", e.clock, CLOCKS)
+    if e.backend == "simulator" and e.clock == "measured":
+        raise ConfigError("engine.clock", e.clock, "the simulator has no wall time: use passes")
+    if e.temperature < 0:
+        raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
+    if not 0 <= e.top_k <= m.vocab_size:
+        raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
+    _positive("engine.min_bucket", e.min_bucket)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="jaxbatch_schema", node=Config)

@@ -1,0 +1,100 @@
+"""The Flax decoder-only transformer (Llama-style): RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Parameters and the KV cache are explicit arguments: the module holds no state between calls and
+knows nothing of scheduling. With no cache it is the uncached reference forward pass.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jaxbatch.model.attention import attend, rope
+from jaxbatch.model.kvcache import CacheIndex, SlotCache
+from jaxbatch.model.spec import ModelSpec
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale).astype(x.dtype)
+
+
+class Block(nn.Module):
+    spec: ModelSpec
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, cache, index, ctx_len):
+        s, dt = self.spec, self.spec.jnp_dtype
+
+        def dense(features, axis=-1, name=None):
+            return nn.DenseGeneral(
+                features, axis=axis, use_bias=False, dtype=dt, kernel_init=_init, name=name
+            )
+
+        h = RMSNorm(s.norm_eps, name="attn_norm")(x)
+        q = rope(dense((s.n_heads, s.head_dim), name="q")(h), positions, s.rope_theta)
+        k = rope(dense((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
+        v = dense((s.n_kv_heads, s.head_dim), name="v")(h)
+        if cache is None:
+            out = attend(q, k, v, positions, positions)
+        else:
+            cache, k_ctx, v_ctx = cache.update_and_read(self.layer, k, v, index, ctx_len)
+            kv_pos = jnp.broadcast_to(jnp.arange(ctx_len), (x.shape[0], ctx_len))
+            out = attend(q, k_ctx, v_ctx, positions, kv_pos)
+        x = x + dense(s.d_model, axis=(-2, -1), name="o")(out)
+        h = RMSNorm(s.norm_eps, name="mlp_norm")(x)
+        gate = nn.silu(dense(s.d_mlp, name="gate")(h))
+        x = x + dense(s.d_model, name="down")(gate * dense(s.d_mlp, name="up")(h))
+        return x, cache
+
+
+class Transformer(nn.Module):
+    """tokens, positions: [N, T]. Returns logits [N, T, V], or [N, V] at `logit_index` per row."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array,
+        cache: SlotCache | None = None,
+        index: CacheIndex | None = None,
+        ctx_len: int = 0,
+        logit_index: Array | None = None,
+    ) -> tuple[Array, SlotCache | None]:
+        s = self.spec
+        x = nn.Embed(s.vocab_size, s.d_model, embedding_init=_init, name="embed")(tokens)
+        x = x.astype(s.jnp_dtype)
+        for layer in range(s.n_layers):
+            x, cache = Block(s, layer, name=f"layer_{layer}")(x, positions, cache, index, ctx_len)
+        x = RMSNorm(s.norm_eps, name="final_norm")(x)
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
+        head = nn.Dense(s.vocab_size, use_bias=False, dtype=s.jnp_dtype, kernel_init=_init)
+        logits = head(x).astype(jnp.float32)
+        return logits, cache
+
+
+def init_params(spec: ModelSpec, seed: int) -> dict:
+    """Random weights from a seed (float32 parameters; compute dtype comes from the spec)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+
+
+def full_forward(spec: ModelSpec, params: dict, tokens: Array) -> Array:
+    """The uncached reference: logits [N, T, V] for whole sequences starting at position 0."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = Transformer(spec).apply({"params": params}, tokens, positions)
+    return logits

@@ -1,0 +1,71 @@
+"""Per-pass events of a run, kept as arrays: the single source of every metric and figure.
+
+One row per pass: when it started, how long it took, its kind, what each slot fed, who held each
+slot, tokens computed (padding included) and KV positions in use. Never compute metrics here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxbatch.sched.state import Plan
+
+
+@dataclass(frozen=True)
+class Record:
+    start: np.ndarray  # [P] float64 seconds (or passes)
+    duration: np.ndarray  # [P] float64
+    kind: np.ndarray  # [P] int
+    req: np.ndarray  # [P, B] request fed in each slot, -1 idle
+    num_tokens: np.ndarray  # [P, B]
+    start_pos: np.ndarray  # [P, B]
+    holder: np.ndarray  # [P, B] request holding each slot (fed or not), -1 free
+    emits: np.ndarray  # [P, B] bool: the slot produced an output token this pass
+    computed_tokens: np.ndarray  # [P] tokens the pass computed, padding included
+    kv_tokens: np.ndarray  # [P] KV positions holding live tokens after the pass
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.start)
+
+    @property
+    def num_slots(self) -> int:
+        return self.req.shape[1] if self.req.ndim == 2 else 0
+
+
+class Recorder:
+    def __init__(self, prompt_len: np.ndarray):
+        self._prompt_len = np.asarray(prompt_len)
+        self._rows: list[tuple] = []
+
+    def add(self, start, duration, plan: Plan, holder, computed_tokens, kv_tokens) -> int:
+        """Record one pass; returns how many output tokens it produced."""
+        active = plan.num_tokens > 0
+        ends = plan.start_pos + plan.num_tokens
+        emits = active & (ends >= self._prompt_len[np.maximum(plan.req, 0)])
+        self._rows.append(
+            (start, duration, int(plan.kind), plan.req, plan.num_tokens, plan.start_pos,
+             holder, emits, computed_tokens, kv_tokens)
+        )  # fmt: skip
+        return int(emits.sum())
+
+    def finish(self, num_slots: int) -> Record:
+        if not self._rows:
+            empty = np.zeros((0, num_slots), np.int64)
+            z = np.zeros(0)
+            return Record(z, z, z.astype(int), empty, empty, empty, empty, empty.astype(bool), z, z)
+        cols = list(zip(*self._rows))
+        return Record(
+            start=np.array(cols[0], np.float64),
+            duration=np.array(cols[1], np.float64),
+            kind=np.array(cols[2]),
+            req=np.stack(cols[3]),
+            num_tokens=np.stack(cols[4]),
+            start_pos=np.stack(cols[5]),
+            holder=np.stack(cols[6]),
+            emits=np.stack(cols[7]),
+            computed_tokens=np.array(cols[8], np.int64),
+            kv_tokens=np.array(cols[9], np.int64),
+        )

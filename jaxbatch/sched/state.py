@@ -1,0 +1,77 @@
+"""SchedState and Plan: the scheduler's whole state and one pass's decision, as fixed-shape arrays.
+
+Axis names in shapes: N = requests of the workload, B = slots. Nothing here is a Python list of
+requests, so both are jittable, vmappable and checkpointable. Never put host objects in them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+# Request status.
+WAITING, RUNNING, PREEMPTED, FINISHED, REJECTED = 0, 1, 2, 3, 4
+STATUS_NAMES = ("waiting", "running", "preempted", "finished", "rejected")
+
+# Pass kind.
+IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
+KIND_NAMES = ("idle", "prefill", "decode", "mixed")
+
+
+@struct.dataclass
+class SchedState:
+    arrival: Array  # [N] f32 seconds (or passes, with the passes clock)
+    prompt_len: Array  # [N] i32
+    max_new: Array  # [N] i32 output budget
+    priority: Array  # [N] i32, larger runs first where a policy honours it
+    status: Array  # [N] i32, one of WAITING..REJECTED
+    num_computed: Array  # [N] i32 tokens whose KV is in the cache
+    num_generated: Array  # [N] i32 output tokens produced
+    slot: Array  # [N] i32 the slot held, -1 none
+    num_preemptions: Array  # [N] i32
+    slot_req: Array  # [B] i32 the request held, -1 idle
+    now: Array  # [] f32 the clock
+    step: Array  # [] i32 passes run so far
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_req.shape[0]
+
+
+@struct.dataclass
+class Plan:
+    """One pass, per slot [B]. A slot feeds num_tokens tokens starting at position start_pos."""
+
+    req: Array  # [B] i32, -1 idle
+    num_tokens: Array  # [B] i32, 0 idle, 1 decode, k prompt tokens
+    start_pos: Array  # [B] i32
+    kind: Array  # [] i32, IDLE / PREFILL / DECODE / MIXED
+    wait_until: Array  # [] f32 for an IDLE plan: when work can next start (inf: none left)
+
+
+def init_state(
+    arrival: np.ndarray,
+    prompt_len: np.ndarray,
+    max_new: np.ndarray,
+    rejected: np.ndarray,
+    num_slots: int,
+    priority: np.ndarray | None = None,
+) -> SchedState:
+    n = len(arrival)
+    zeros = jnp.zeros(n, jnp.int32)
+    return SchedState(
+        arrival=jnp.asarray(arrival, jnp.float32),
+        prompt_len=jnp.asarray(prompt_len, jnp.int32),
+        max_new=jnp.asarray(max_new, jnp.int32),
+        priority=jnp.asarray(np.zeros(n) if priority is None else priority, jnp.int32),
+        status=jnp.where(jnp.asarray(rejected, bool), REJECTED, WAITING).astype(jnp.int32),
+        num_computed=zeros,
+        num_generated=zeros,
+        slot=jnp.full(n, -1, jnp.int32),
+        num_preemptions=zeros,
+        slot_req=jnp.full(num_slots, -1, jnp.int32),
+        now=jnp.float32(0.0),
+        step=jnp.int32(0),
+    )

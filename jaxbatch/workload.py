@@ -1,0 +1,136 @@
+"""Request generation: synthetic arrival processes and length distributions, and trace replay.
+
+A Workload is plain numpy arrays, one entry per request, plus each request's seeded prompt token
+ids. Bad input raises WorkloadError naming the field (or the trace file and line); nothing here
+touches JAX.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built: the message names the field or the file and line."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    arrival: np.ndarray  # [N] float64 seconds from the first request
+    prompt_len: np.ndarray  # [N] int64
+    max_new: np.ndarray  # [N] int64 output budget
+    priority: np.ndarray = field(default=None)  # [N] int64, 0 when unset
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.priority is None:
+            object.__setattr__(self, "priority", np.zeros(len(self.arrival), np.int64))
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def prompts(self, vocab_size: int, width: int) -> np.ndarray:
+        """[N, width] int32: request i's prompt ids depend only on (seed, i), zero after it."""
+        out = np.zeros((len(self), width), np.int32)
+        for i, n in enumerate(self.prompt_len):
+            n = int(min(n, width))
+            out[i, :n] = np.random.default_rng([self.seed, i]).integers(0, vocab_size, n)
+        return out
+
+    def rejections(self, max_len: int) -> list[str]:
+        """Per request, why it can never run on a model of this maximum length ('' if it can)."""
+        reasons = []
+        for p, m in zip(self.prompt_len, self.max_new):
+            if p + m > max_len:
+                reasons.append(f"prompt_len {p} + max_new_tokens {m} > model max_len {max_len}")
+            else:
+                reasons.append("")
+        return reasons
+
+
+def lengths(dist: str, mean: float, low: int, high: int, sigma: float, n: int, rng) -> np.ndarray:
+    """n lengths from `fixed` (mean), `uniform` [low, high] or `lognormal` (mean, sigma, clipped)."""
+    if dist == "fixed":
+        return np.full(n, int(mean), np.int64)
+    if dist == "uniform":
+        return rng.integers(low, high + 1, n).astype(np.int64)
+    if dist == "lognormal":
+        x = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)
+        return np.clip(np.round(x), low, high).astype(np.int64)
+    raise WorkloadError(f"length dist={dist!r} is not valid: use fixed, uniform or lognormal")
+
+
+def arrivals(process: str, n: int, rate: float, burstiness: float, rng) -> np.ndarray:
+    """Arrival times: `offline` (all at 0), `poisson` at `rate`/s, or `gamma` inter-arrivals with
+    shape `burstiness` and mean 1/rate (vLLM's definition: 1 is Poisson, below 1 is burstier)."""
+    if process == "offline":
+        return np.zeros(n)
+    if process == "poisson":
+        gaps = rng.exponential(1.0 / rate, n)
+    elif process == "gamma":
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+    else:
+        raise WorkloadError(f"arrival={process!r} is not valid: use offline, poisson or gamma")
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def read_trace(
+    path: str | Path, limit: int = 0, time_scale: float = 1.0, length_scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Azure-schema CSV (TIMESTAMP, ContextTokens, GeneratedTokens) -> arrival, prompt, output.
+
+    Arrivals are seconds after the first row, times time_scale; lengths are scaled by
+    length_scale and kept at least 1. `limit` > 0 keeps the first `limit` rows.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"workload.path={str(path)!r}: no such trace file")
+    times, prompt, output = [], [], []
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+        if header is None or [h.strip() for h in header[:3]] != expected:
+            raise WorkloadError(f"{path}:1: header {header} is not {expected}")
+        for line, row in enumerate(reader, start=2):
+            if limit and len(times) >= limit:
+                break
+            times.append(_parse_time(row, path, line))
+            prompt.append(_parse_count(row, 1, "ContextTokens", path, line))
+            output.append(_parse_count(row, 2, "GeneratedTokens", path, line))
+    if not times:
+        raise WorkloadError(f"{path}: the trace has no request rows")
+    t = np.array(times)
+    arrival = (t - t[0]) * time_scale
+    if np.any(np.diff(arrival) < 0):
+        line = int(np.argmax(np.diff(arrival) < 0)) + 3
+        raise WorkloadError(f"{path}:{line}: TIMESTAMP goes back in time")
+    scale = lambda x: np.maximum(1, np.round(np.array(x) * length_scale)).astype(np.int64)  # noqa: E731
+    return arrival, scale(prompt), scale(output)
+
+
+def _parse_time(row: list[str], path: Path, line: int) -> float:
+    if len(row) != 3:
+        raise WorkloadError(f"{path}:{line}: expected 3 fields, found {len(row)}: {row}")
+    text = row[0].strip()
+    try:
+        stamp, _, frac = text.partition(".")
+        base = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp()
+        return base + (float("0." + frac) if frac else 0.0)
+    except ValueError:
+        raise WorkloadError(
+            f"{path}:{line}: TIMESTAMP {text!r} is not 'YYYY-MM-DD HH:MM:SS[.fffffff]'"
+        ) from None
+
+
+def _parse_count(row: list[str], col: int, name: str, path: Path, line: int) -> int:
+    text = row[col].strip()
+    if not text.isdigit():
+        raise WorkloadError(f"{path}:{line}: {name} {text!r} is not a non-negative integer")
+    return int(text)
