@@ -134,3 +134,20 @@ def _parse_count(row: list[str], col: int, name: str, path: Path, line: int) -> 
     if not text.isdigit():
         raise WorkloadError(f"{path}:{line}: {name} {text!r} is not a non-negative integer")
     return int(text)
+
+
+def from_config(cfg, base_dir: Path | None = None) -> Workload:
+    """Build the workload of a WorkloadConfig; a relative trace path is taken from base_dir."""
+    if cfg.kind == "trace":
+        path = Path(cfg.path)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        arrival, prompt, output = read_trace(path, cfg.limit, cfg.time_scale, cfg.length_scale)
+        return Workload(arrival=arrival, prompt_len=prompt, max_new=output, seed=cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_requests
+    arrival = arrivals(cfg.arrival, n, cfg.rate, cfg.burstiness, rng)
+    p, o = cfg.prompt, cfg.output
+    prompt = lengths(p.dist, p.mean, p.low, p.high, p.sigma, n, rng)
+    output = lengths(o.dist, o.mean, o.low, o.high, o.sigma, n, rng)
+    return Workload(arrival=arrival, prompt_len=prompt, max_new=output, seed=cfg.seed)

@@ -1,0 +1,80 @@
+"""The output files of a run: metrics.json, requests.csv, passes.csv, tokens.jsonl, record.npz.
+
+Their columns are the contract that scripts and tests rely on (DESIGN.md, "Outputs of a run").
+Nothing here computes a metric: it writes what it is given.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxbatch.report.metrics import RequestTimes
+from jaxbatch.report.recorder import Record
+from jaxbatch.sched.state import KIND_NAMES, STATUS_NAMES
+
+REQUEST_COLUMNS = (
+    "id", "arrival", "prompt_len", "output_len", "status", "ttft_s", "tpot_s", "e2e_s",
+    "preemptions", "reason",
+)  # fmt: skip
+PASS_COLUMNS = ("index", "start", "duration", "kind", "tokens", "computed_tokens", "active_slots")
+
+
+def _num(x: float) -> str:
+    return "" if not np.isfinite(x) else f"{x:.6f}"
+
+
+def write_metrics(path: Path, metrics: dict) -> None:
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def write_requests(
+    path: Path,
+    arrival: np.ndarray,
+    prompt_len: np.ndarray,
+    status: np.ndarray,
+    preemptions: np.ndarray,
+    times: RequestTimes,
+    reasons: list[str],
+) -> None:
+    ttft, tpot, e2e = times.ttft(arrival), times.tpot(arrival), times.e2e(arrival)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(REQUEST_COLUMNS)
+        for i in range(len(arrival)):
+            w.writerow(
+                [i, f"{arrival[i]:.6f}", int(prompt_len[i]), int(times.output_len[i]),
+                 STATUS_NAMES[int(status[i])], _num(ttft[i]), _num(tpot[i]), _num(e2e[i]),
+                 int(preemptions[i]), reasons[i]]
+            )  # fmt: skip
+
+
+def write_passes(path: Path, record: Record) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(PASS_COLUMNS)
+        for p in range(record.num_passes):
+            w.writerow(
+                [p, f"{record.start[p]:.6f}", f"{record.duration[p]:.6f}",
+                 KIND_NAMES[int(record.kind[p])], int(record.num_tokens[p].sum()),
+                 int(record.computed_tokens[p]), int((record.num_tokens[p] > 0).sum())]
+            )  # fmt: skip
+
+
+def write_tokens(path: Path, outputs: list[np.ndarray]) -> None:
+    with path.open("w") as f:
+        for i, toks in enumerate(outputs):
+            f.write(json.dumps({"id": i, "tokens": [int(t) for t in toks]}) + "\n")
+
+
+def save_record(path: Path, record: Record) -> None:
+    np.savez_compressed(path, **dataclasses.asdict(record))
+
+
+def load_record(path: Path) -> Record:
+    with np.load(path) as data:
+        return Record(**{f.name: data[f.name] for f in dataclasses.fields(Record)})

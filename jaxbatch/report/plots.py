@@ -1,0 +1,85 @@
+"""Figures: the slot timeline (rows = slots, columns = passes), stacked timelines, metric bars.
+
+Cells are coloured by request; prefill cells are dark, decode cells light, a slot held by a request
+that is not fed (static batching's finished-but-held slots) is grey. Plots read Records only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from jaxbatch.report.recorder import Record  # noqa: E402
+from jaxbatch.sched.state import PREFILL  # noqa: E402
+
+_HELD = np.array([0.78, 0.78, 0.78])
+_FREE = np.array([1.0, 1.0, 1.0])
+
+
+def timeline_image(record: Record) -> np.ndarray:
+    """[B, P, 3] RGB: a column per pass, a row per slot."""
+    palette = np.array(plt.get_cmap("tab20").colors)
+    palette = np.delete(palette, [14, 15], axis=0)  # tab20's greys would read as "held, idle"
+    colour = palette[np.maximum(record.holder, 0) % len(palette)]  # [P, B, 3]
+    fed = record.num_tokens > 0
+    prefill = fed & (record.kind == PREFILL)[:, None]
+    img = np.where(prefill[..., None], colour * 0.55, colour * 0.6 + 0.4)
+    img = np.where((~fed & (record.holder >= 0))[..., None], _HELD, img)
+    img = np.where((record.holder < 0)[..., None], _FREE, img)
+    return img.transpose(1, 0, 2)
+
+
+def _draw(ax, record: Record, title: str, max_passes: int | None = None) -> None:
+    ax.imshow(timeline_image(record), aspect="auto", interpolation="nearest")
+    ax.set_ylabel("slot")
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_xlim(-0.5, (max_passes or record.num_passes) - 0.5)
+
+
+_LEGEND = [
+    Patch(color=np.array([0.12, 0.47, 0.71]) * 0.55, label="prefill"),
+    Patch(color=np.array([0.12, 0.47, 0.71]) * 0.6 + 0.4, label="decode"),
+    Patch(color=_HELD, label="held, idle"),
+]
+
+
+def plot_timeline(record: Record, path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.25 * record.num_slots))
+    _draw(ax, record, title)
+    ax.set_xlabel("pass")
+    ax.legend(handles=_LEGEND, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timelines(panels: list[tuple[str, Record]], path: Path) -> None:
+    """One panel per run, on one pass axis, so their lengths compare at a glance."""
+    longest = max(r.num_passes for _, r in panels)
+    height = sum(0.9 + 0.22 * r.num_slots for _, r in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.8 + height), squeeze=False)
+    for ax, (title, rec) in zip(axes[:, 0], panels):
+        _draw(ax, rec, f"{title}: {rec.num_passes} passes", longest)
+    axes[-1, 0].set_xlabel("pass")
+    axes[0, 0].legend(handles=_LEGEND, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(labels: list[str], metrics: dict[str, list[float]], path: Path) -> None:
+    """One small bar chart per metric, one bar per run."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False)
+    for ax, (name, values) in zip(axes[0], metrics.items()):
+        ax.bar(range(len(values)), values, color=plt.get_cmap("tab10").colors[: len(values)])
+        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(name, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
