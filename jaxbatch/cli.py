@@ -37,7 +37,7 @@ def build_backend(cfg: Config, workload: Workload, with_logits: bool = False):
         return Simulator(e.num_slots, spec.max_len, e.min_bucket)
     return Runner(
         spec, init_params(spec, cfg.model.seed), e.num_slots,
-        workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len,
+        workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
         Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket,
     )  # fmt: skip
 
@@ -54,6 +54,7 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
     backend = build_backend(cfg, workload, with_logits)
     ok = ~rejected
     shapes = backend.buckets.for_workload(workload.prompt_len[ok], workload.max_new[ok])
+    shapes = shapes if e.warmup else []
     params = PolicyParams(max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id))
     policy = make_policy(cfg.policy.name)
     return run(policy, params, state, backend, shapes, e.clock, cfg.output.progress)
@@ -86,7 +87,7 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     files.write_metrics(out_dir / "metrics.json", metrics)
     files.write_requests(
-        out_dir / "requests.csv", workload.arrival, workload.prompt_len, status,
+        out_dir / "requests.csv", workload.ids, workload.arrival, workload.prompt_len, status,
         np.asarray(final.num_preemptions), request_times(rec, len(workload)),
         workload.rejections(spec.max_len),
     )  # fmt: skip

@@ -87,6 +87,7 @@ class EngineConfig:
     seed: int = 0
     eos_id: int = -1  # -1: ignore EOS, as trace replay requires
     min_bucket: int = 16
+    warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import jax
@@ -44,7 +45,10 @@ class RunResult:
     wall_s: float  # host wall time of the loop
 
 
+@lru_cache(maxsize=None)
 def _with_stats(commit):
+    """commit, also returning each slot's holder and the KV positions in use (one jitted call)."""
+
     def commit_and_measure(state, plan, tokens, params):
         state = commit(state, plan, tokens, params)
         held = state.slot_req >= 0

@@ -26,20 +26,32 @@ class Workload:
     max_new: np.ndarray  # [N] int64 output budget
     priority: np.ndarray = field(default=None)  # [N] int64, 0 when unset
     seed: int = 0
+    ids: np.ndarray = field(default=None)  # [N] identity: seeds the prompt and the sampling
 
     def __post_init__(self):
+        n = len(self.arrival)
         if self.priority is None:
-            object.__setattr__(self, "priority", np.zeros(len(self.arrival), np.int64))
+            object.__setattr__(self, "priority", np.zeros(n, np.int64))
+        if self.ids is None:
+            object.__setattr__(self, "ids", np.arange(n))
+
+    def subset(self, index) -> Workload:
+        """The chosen requests, each keeping its identity (same prompt, same sampling stream)."""
+        pick = lambda a: np.asarray(a)[index]  # noqa: E731
+        return Workload(
+            arrival=pick(self.arrival), prompt_len=pick(self.prompt_len), max_new=pick(self.max_new),
+            priority=pick(self.priority), seed=self.seed, ids=pick(self.ids),
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.arrival)
 
     def prompts(self, vocab_size: int, width: int) -> np.ndarray:
-        """[N, width] int32: request i's prompt ids depend only on (seed, i), zero after it."""
+        """[N, width] int32: a request's prompt depends only on (seed, its id), zero after it."""
         out = np.zeros((len(self), width), np.int32)
-        for i, n in enumerate(self.prompt_len):
+        for i, (rid, n) in enumerate(zip(self.ids, self.prompt_len)):
             n = int(min(n, width))
-            out[i, :n] = np.random.default_rng([self.seed, i]).integers(0, vocab_size, n)
+            out[i, :n] = np.random.default_rng([self.seed, int(rid)]).integers(0, vocab_size, n)
         return out
 
     def rejections(self, max_len: int) -> list[str]:

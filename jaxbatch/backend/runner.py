@@ -50,7 +50,7 @@ def sample(logits: Array, req: Array, pos: Array, sampling: Sampling) -> Array:
 
 
 def _pass(
-    params, cache, token_buf, prompt_len, row_slot, row_req, row_start, row_len,
+    params, cache, token_buf, prompt_len, request_ids, row_slot, row_req, row_start, row_len,
     *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool,
 ):  # fmt: skip
     """One forward pass over `shape.rows` rows of `shape.tokens` tokens each."""
@@ -64,7 +64,7 @@ def _pass(
         logit_index=jnp.maximum(row_len - 1, 0),
     )  # fmt: skip
     next_pos = row_start + row_len
-    drawn = sample(logits, row_req, next_pos, sampling)
+    drawn = sample(logits, request_ids.at[row_req].get(mode="clip"), next_pos, sampling)
     # Only a row whose known tokens are all cached has drawn a real output token.
     emits = (row_len > 0) & (next_pos >= prompt_len.at[row_req].get(mode="clip"))
     n = token_buf.shape[0]
@@ -99,6 +99,7 @@ class Runner:
         num_slots: int,
         prompts: np.ndarray,
         prompt_len: np.ndarray,
+        request_ids: np.ndarray | None = None,
         sampling: Sampling = Sampling(),
         with_logits: bool = False,
         min_bucket: int = 16,
@@ -109,11 +110,14 @@ class Runner:
         self.cache: SlotCache = init_slot_cache(spec, num_slots)
         self.token_buf = jnp.asarray(prompts, jnp.int32)  # [N, max_len]: prompt, then outputs
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
+        ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
+        self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
 
     def _call(self, shape: PassShape, slot, req, start, length) -> tuple[Array, Array | None]:
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
         self.cache, self.token_buf, tokens, logits = fn(
-            self.params, self.cache, self.token_buf, self.prompt_len, slot, req, start, length
+            self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids,
+            slot, req, start, length,
         )
         return tokens, logits
 

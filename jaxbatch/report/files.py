@@ -34,6 +34,7 @@ def write_metrics(path: Path, metrics: dict) -> None:
 
 def write_requests(
     path: Path,
+    ids: np.ndarray,
     arrival: np.ndarray,
     prompt_len: np.ndarray,
     status: np.ndarray,
@@ -47,7 +48,7 @@ def write_requests(
         w.writerow(REQUEST_COLUMNS)
         for i in range(len(arrival)):
             w.writerow(
-                [i, f"{arrival[i]:.6f}", int(prompt_len[i]), int(times.output_len[i]),
+                [int(ids[i]), f"{arrival[i]:.6f}", int(prompt_len[i]), int(times.output_len[i]),
                  STATUS_NAMES[int(status[i])], _num(ttft[i]), _num(tpot[i]), _num(e2e[i]),
                  int(preemptions[i]), reasons[i]]
             )  # fmt: skip

@@ -1,0 +1,42 @@
+"""Shared test fixtures: a model small enough that every test runs in seconds on two cores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
+from jaxbatch.model.spec import ModelSpec
+from jaxbatch.model.transformer import init_params
+from jaxbatch.workload import Workload
+
+TEST_MODEL = ModelConfig(
+    name="custom", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128,
+    max_len=256,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def spec() -> ModelSpec:
+    return TEST_MODEL.spec()
+
+
+@pytest.fixture(scope="session")
+def params(spec):
+    return init_params(spec, 0)
+
+
+def make_config(policy: str = "continuous", **engine) -> Config:
+    engine.setdefault("num_slots", 4)
+    return Config(
+        model=TEST_MODEL,
+        policy=PolicyConfig(name=policy),
+        engine=EngineConfig(**engine),
+        output=OutputConfig(progress=False, plots=False),
+    )
+
+
+def make_workload(prompt_len, max_new, arrival=None, seed=0) -> Workload:
+    prompt_len = np.asarray(prompt_len)
+    arrival = np.zeros(len(prompt_len)) if arrival is None else np.asarray(arrival, float)
+    return Workload(arrival=arrival, prompt_len=prompt_len, max_new=np.asarray(max_new), seed=seed)

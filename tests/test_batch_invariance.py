@@ -1,0 +1,61 @@
+"""A request's logits and tokens do not depend on which requests share its passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxbatch.cli import simulate
+from tests.conftest import make_config, make_workload
+
+PROMPTS = [5, 30, 12, 60, 9, 33]
+BUDGETS = [10, 3, 17, 6, 12, 8]
+
+
+def per_request_logits(result, num_requests):
+    """The logits that produced each output token, in order, per request."""
+    rec, out = result.record, {i: [] for i in range(num_requests)}
+    for p, b in zip(*np.nonzero(rec.emits)):
+        out[int(rec.req[p, b])].append(result.logits[p][b])
+    return {i: np.stack(v) for i, v in out.items() if v}
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each request run by itself on one slot."""
+    logits, tokens = {}, {}
+    for i in range(len(PROMPTS)):
+        res = _run("continuous", make_workload(PROMPTS, BUDGETS).subset([i]), num_slots=1)
+        logits[i] = per_request_logits(res, 1)[0]
+        tokens[i] = res.outputs[0]
+    return logits, tokens
+
+
+def _run(policy, workload, num_slots, **engine):
+    cfg = make_config(policy, num_slots=num_slots, clock="passes", warmup=False, **engine)
+    return simulate(cfg, workload, with_logits=True)
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_logits_alone_equal_logits_shared(alone, policy):
+    logits_alone, tokens_alone = alone
+    res = _run(policy, make_workload(PROMPTS, BUDGETS), num_slots=4)
+    shared = per_request_logits(res, len(PROMPTS))
+    for i in range(len(PROMPTS)):
+        assert shared[i].shape == logits_alone[i].shape == (BUDGETS[i], 256)
+        np.testing.assert_allclose(shared[i], logits_alone[i], atol=1e-4)
+        np.testing.assert_array_equal(res.outputs[i], tokens_alone[i])
+
+
+def test_greedy_and_sampled_tokens_equal_under_both_policies():
+    w = make_workload([7, 40, 20, 3, 15], [9, 4, 12, 6, 5], arrival=[0, 0, 2, 3, 3])
+    for engine in ({}, {"temperature": 0.8, "top_k": 20, "seed": 3}):
+        s = _run("static", w, num_slots=2, **engine).outputs
+        c = _run("continuous", w, num_slots=2, **engine).outputs
+        one = _run("continuous", w.subset([3]), num_slots=1, **engine).outputs
+        for a, b, m in zip(s, c, w.max_new):
+            assert len(a) == m
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(one[0], c[3])
+    greedy = _run("continuous", w, num_slots=2).outputs
+    assert any((a != b).any() for a, b in zip(greedy, s)), "sampling must change some tokens"

@@ -1,0 +1,158 @@
+"""Scheduler invariants on random workloads (hypothesis), run through the engine with the
+simulator and the deterministic `passes` clock."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxbatch.backend.simulator import Simulator
+from jaxbatch.engine import run
+from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.state import FINISHED, PREFILL, init_state
+
+N = 12  # fixed, so the jitted policies compile once per slot count
+
+
+@st.composite
+def workloads(draw, offline=False):
+    prompt = draw(st.lists(st.integers(1, 40), min_size=N, max_size=N))
+    budget = draw(st.lists(st.integers(1, 30), min_size=N, max_size=N))
+    if offline:
+        arrival = [0.0] * N
+    else:
+        arrival = sorted(draw(st.lists(st.integers(0, 60), min_size=N, max_size=N)))
+    slots = draw(st.sampled_from([1, 3, 4]))
+    return np.array(arrival, float), np.array(prompt), np.array(budget), slots
+
+
+def simulate(policy, arrival, prompt, budget, slots, max_wait=0.0):
+    state = init_state(arrival, prompt, budget, np.zeros(N, bool), slots)
+    params = PolicyParams(max_wait_s=np.float32(max_wait))
+    return run(make_policy(policy), params, state, Simulator(slots, 128), [], clock="passes")
+
+
+def admission_pass(rec):
+    """[N] the first pass in which each request holds a slot."""
+    first = np.full(N, -1)
+    for p in range(rec.num_passes - 1, -1, -1):
+        held = rec.holder[p][rec.holder[p] >= 0]
+        first[held] = p
+    return first
+
+
+def check_common(res, arrival, prompt, budget):
+    rec = res.record
+    # Every request ends finished, with exactly its budget of output tokens.
+    assert (np.asarray(res.final.status) == FINISHED).all()
+    np.testing.assert_array_equal(np.bincount(rec.req[rec.emits], minlength=N), budget)
+    # No slot holds two requests, no request holds two slots.
+    for holders in rec.holder:
+        held = holders[holders >= 0]
+        assert len(held) == len(set(held.tolist()))
+    # A fed slot holds the request it feeds; nothing runs before it arrives.
+    fed = rec.num_tokens > 0
+    np.testing.assert_array_equal(rec.req[fed], rec.holder[fed])
+    p_idx, _ = np.nonzero(fed)
+    assert (rec.start[p_idx] >= arrival[rec.req[fed]]).all()
+    # Each prompt is fed exactly once, and every other output token costs one decode slot-pass.
+    prefill = fed & (rec.kind == PREFILL)[:, None]
+    np.testing.assert_array_equal(np.bincount(rec.req[prefill], minlength=N), np.ones(N))
+    assert rec.num_tokens[prefill].sum() == prompt.sum()
+    assert (fed & ~prefill).sum() == (budget - 1).sum()
+    # The passes clock: each pass starts one unit after the last, or at an arrival.
+    assert (np.diff(rec.start) >= 1).all()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_continuous_invariants(w):
+    arrival, prompt, budget, slots = w
+    res = simulate("continuous", *w)
+    check_common(res, arrival, prompt, budget)
+    # Admission follows arrival order (ties by id): FCFS.
+    first = admission_pass(res.record)
+    fcfs = np.lexsort((np.arange(N), arrival))
+    assert (np.diff(first[fcfs]) >= 0).all()
+    # Work-conserving: no slot is left free while an arrived request waits.
+    rec = res.record
+    for p in range(rec.num_passes):
+        waiting = (arrival <= rec.start[p]) & (first > p)
+        if waiting.any():
+            assert (rec.holder[p] >= 0).all()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_static_invariants(w):
+    arrival, prompt, budget, slots = w
+    res = simulate("static", *w)
+    check_common(res, arrival, prompt, budget)
+    rec = res.record
+    first = admission_pass(rec)
+    # A batch is admitted only into empty slots: a pass's holders are either the same set as the
+    # pass before, or a set with none of its requests.
+    for p in range(1, rec.num_passes):
+        now, before = set(rec.holder[p][rec.holder[p] >= 0]), set(rec.holder[p - 1][rec.holder[p - 1] >= 0])
+        assert now == before or not (now & before), (p, now, before)
+    # Each batch runs for exactly as many passes as its longest output budget (prefill included).
+    batches = {}
+    for r in range(N):
+        batches.setdefault(first[r], []).append(r)
+    for start, members in batches.items():
+        assert first[members].min() == start
+        length = budget[members].max()
+        assert all((rec.holder[start + length - 1] == m).any() for m in members)
+        if start + length < rec.num_passes:
+            assert not any((rec.holder[start + length] == m).any() for m in members)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(offline=True))
+def test_offline_pass_counts(w):
+    arrival, prompt, budget, slots = w
+    # Static: FCFS batches of `slots` requests, each costing its longest budget in passes.
+    static = simulate("static", *w)
+    batches = [budget[i : i + slots] for i in range(0, N, slots)]
+    assert static.record.num_passes == sum(b.max() for b in batches)
+    # Continuous: never more passes than static, and at least the decode work spread over slots.
+    cont = simulate("continuous", *w)
+    assert cont.record.num_passes <= static.record.num_passes
+    assert cont.record.num_passes >= np.ceil((budget - 1).sum() / slots)
+
+
+def test_static_waits_for_a_full_batch_up_to_max_wait():
+    arrival = np.array([0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57], float)
+    prompt, budget = np.full(N, 4), np.full(N, 2)
+    first_wait = admission_pass(simulate("static", arrival, prompt, budget, 4, 10.0).record)
+    first_now = admission_pass(simulate("static", arrival, prompt, budget, 4, 0.0).record)
+    rec = simulate("static", arrival, prompt, budget, 4, 10.0).record
+    # With max_wait 10 the first four arrive by t=3 and fill the batch: it starts at t=3.
+    assert rec.start[first_wait[0]] == 3.0
+    assert (first_wait[:4] == first_wait[0]).all()
+    # With no wait, request 0 starts alone at t=0.
+    assert first_now[0] == 0 and first_now[1] > 0
+    # Requests 4..7 arrive at 50..53 and fill a batch at t=53; 8..11 have 55..57 and no more
+    # arrivals, so with max_wait 10 they run when the last one arrives, at t=57.
+    assert rec.start[first_wait[4]] == 53.0
+    assert rec.start[first_wait[8]] == 57.0
+
+
+def test_schedule_is_jittable_and_vmappable():
+    """Two workloads scheduled in one vmapped call give the same plans as two separate calls."""
+    policy = make_policy("continuous")
+    s1 = init_state(np.zeros(N), np.arange(1, N + 1), np.ones(N, int), np.zeros(N, bool), 4)
+    s2 = init_state(np.arange(N, dtype=float), np.full(N, 5), np.ones(N, int), np.zeros(N, bool), 4)
+    params = PolicyParams()
+    both = jax.tree.map(lambda a, b: jnp.stack([a, b]), s1, s2)
+    _, plans = jax.jit(jax.vmap(policy.schedule, in_axes=(0, None)))(both, params)
+    for i, s in enumerate((s1, s2)):
+        _, plan = jax.jit(policy.schedule)(s, params)
+        np.testing.assert_array_equal(plans.req[i], plan.req)
+        np.testing.assert_array_equal(plans.num_tokens[i], plan.num_tokens)
+    np.testing.assert_array_equal(plans.req[0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(plans.num_tokens[0], [1, 2, 3, 4])
+    np.testing.assert_array_equal(plans.req[1], [0, -1, -1, -1])
