@@ -76,7 +76,11 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         "num_rejected": int((status == 4).sum()),
         "num_preemptions": int(np.asarray(final.num_preemptions).sum()),
         **summarize(
-            rec, status, workload.arrival, workload.prompt_len, result.duration_s,
+            rec,
+            status,
+            workload.arrival,
+            workload.prompt_len,
+            result.duration_s,
             cfg.engine.num_slots * spec.max_len,
         ),  # fmt: skip
         "num_compiles": result.num_compiles,

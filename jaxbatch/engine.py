@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Protocol
 
 import jax
@@ -45,7 +45,7 @@ class RunResult:
     wall_s: float  # host wall time of the loop
 
 
-@lru_cache(maxsize=None)
+@cache
 def _with_stats(commit):
     """commit, also returning each slot's holder and the KV positions in use (one jitted call)."""
 

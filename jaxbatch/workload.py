@@ -39,8 +39,9 @@ class Workload:
         """The chosen requests, each keeping its identity (same prompt, same sampling stream)."""
         pick = lambda a: np.asarray(a)[index]  # noqa: E731
         return Workload(
-            arrival=pick(self.arrival), prompt_len=pick(self.prompt_len), max_new=pick(self.max_new),
-            priority=pick(self.priority), seed=self.seed, ids=pick(self.ids),
+            arrival=pick(self.arrival), prompt_len=pick(self.prompt_len),
+            max_new=pick(self.max_new), priority=pick(self.priority), seed=self.seed,
+            ids=pick(self.ids),
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -66,7 +67,7 @@ class Workload:
 
 
 def lengths(dist: str, mean: float, low: int, high: int, sigma: float, n: int, rng) -> np.ndarray:
-    """n lengths from `fixed` (mean), `uniform` [low, high] or `lognormal` (mean, sigma, clipped)."""
+    """n lengths: `fixed` (mean), `uniform` [low, high] or `lognormal` (mean, sigma, clipped)."""
     if dist == "fixed":
         return np.full(n, int(mean), np.int64)
     if dist == "uniform":

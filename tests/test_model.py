@@ -41,7 +41,9 @@ def test_cached_passes_match_full_forward(spec, params):
         got = np.stack(seen[r])
         np.testing.assert_allclose(got, ref[prompt_len[r] - 1 :], atol=1e-4)
         # Greedy: each generated token is the argmax of the reference logits before it.
-        np.testing.assert_array_equal(buf[r, prompt_len[r] : n], ref[prompt_len[r] - 1 :].argmax(-1))
+        np.testing.assert_array_equal(
+            buf[r, prompt_len[r] : n], ref[prompt_len[r] - 1 :].argmax(-1)
+        )
 
 
 def test_padding_rows_write_nothing(spec, params):

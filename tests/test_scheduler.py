@@ -96,7 +96,10 @@ def test_static_invariants(w):
     # A batch is admitted only into empty slots: a pass's holders are either the same set as the
     # pass before, or a set with none of its requests.
     for p in range(1, rec.num_passes):
-        now, before = set(rec.holder[p][rec.holder[p] >= 0]), set(rec.holder[p - 1][rec.holder[p - 1] >= 0])
+        now, before = (
+            set(rec.holder[p][rec.holder[p] >= 0]),
+            set(rec.holder[p - 1][rec.holder[p - 1] >= 0]),
+        )
         assert now == before or not (now & before), (p, now, before)
     # Each batch runs for exactly as many passes as its longest output budget (prefill included).
     batches = {}

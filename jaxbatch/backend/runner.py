@@ -9,7 +9,7 @@ buffer are donated. This module never decides what runs: the plan does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ def _pass(
     return cache, token_buf, out_tokens, out_logits
 
 
-@lru_cache(maxsize=None)
+@cache
 def _jitted_pass(
     spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool
 ):
@@ -116,8 +116,15 @@ class Runner:
     def _call(self, shape: PassShape, slot, req, start, length) -> tuple[Array, Array | None]:
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
         self.cache, self.token_buf, tokens, logits = fn(
-            self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids,
-            slot, req, start, length,
+            self.params,
+            self.cache,
+            self.token_buf,
+            self.prompt_len,
+            self.request_ids,
+            slot,
+            req,
+            start,
+            length,
         )
         return tokens, logits
 

@@ -25,7 +25,7 @@ PASS_COLUMNS = ("index", "start", "duration", "kind", "tokens", "computed_tokens
 
 
 def _num(x: float) -> str:
-    return "" if not np.isfinite(x) else f"{x:.6f}"
+    return "" if not np.isfinite(x) else f"{x:.9f}"
 
 
 def write_metrics(path: Path, metrics: dict) -> None:
@@ -48,7 +48,7 @@ def write_requests(
         w.writerow(REQUEST_COLUMNS)
         for i in range(len(arrival)):
             w.writerow(
-                [int(ids[i]), f"{arrival[i]:.6f}", int(prompt_len[i]), int(times.output_len[i]),
+                [int(ids[i]), f"{arrival[i]:.9f}", int(prompt_len[i]), int(times.output_len[i]),
                  STATUS_NAMES[int(status[i])], _num(ttft[i]), _num(tpot[i]), _num(e2e[i]),
                  int(preemptions[i]), reasons[i]]
             )  # fmt: skip
@@ -60,7 +60,7 @@ def write_passes(path: Path, record: Record) -> None:
         w.writerow(PASS_COLUMNS)
         for p in range(record.num_passes):
             w.writerow(
-                [p, f"{record.start[p]:.6f}", f"{record.duration[p]:.6f}",
+                [p, f"{record.start[p]:.9f}", f"{record.duration[p]:.9f}",
                  KIND_NAMES[int(record.kind[p])], int(record.num_tokens[p].sum()),
                  int(record.computed_tokens[p]), int((record.num_tokens[p] > 0).sum())]
             )  # fmt: skip

@@ -59,7 +59,7 @@ def request_times(record: Record, num_requests: int) -> RequestTimes:
     output_len = np.bincount(req, minlength=num_requests)
     first = np.full(num_requests, np.nan)
     last = np.full(num_requests, np.nan)
-    # Assign in reverse so the earliest time wins for `first`, and forward so the latest wins for `last`.
+    # Fancy assignment keeps the last write: reversed, the earliest time wins for `first`.
     first[req[::-1]] = when[::-1]
     last[req] = when
     same = req[1:] == req[:-1]

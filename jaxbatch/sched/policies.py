@@ -61,7 +61,7 @@ def release(state: SchedState, mask: Array) -> SchedState:
 
 
 def admit_fcfs(state: SchedState, limit: Array) -> SchedState:
-    """Put up to `limit` queued requests into free slots, earliest arrival first (ties: lower id)."""
+    """Put up to `limit` queued requests into free slots, earliest arrival first (ties: low id)."""
     n, b = state.arrival.shape[0], state.num_slots
     queued = _queued(state)
     order = jnp.argsort(jnp.where(queued, state.arrival, _INF), stable=True)
@@ -114,7 +114,9 @@ def static_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState
     waited = state.now >= oldest + params.max_wait_s
     start_batch = batch_over & (full | waited | (next_arrival == _INF))
     state = admit_fcfs(state, jnp.where(start_batch, state.num_slots, 0))
-    wake = jnp.where(queued.any(), jnp.minimum(oldest + params.max_wait_s, next_arrival), next_arrival)
+    wake = jnp.where(
+        queued.any(), jnp.minimum(oldest + params.max_wait_s, next_arrival), next_arrival
+    )
     return state, plan_prefill_first(state, wake)
 
 

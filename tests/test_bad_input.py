@@ -1,0 +1,66 @@
+"""Bad config, workload and trace input: one clear message naming the field (or file and line)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxbatch.config import Config, ConfigError, validate
+from jaxbatch.workload import WorkloadError, read_trace
+
+
+@pytest.mark.parametrize(
+    "section, field, value, expect",
+    [
+        (
+            "policy",
+            "name",
+            "fifo",
+            "policy.name='fifo' is not valid: use one of static, continuous",
+        ),
+        ("model", "name", "gpt5", "model.name='gpt5' is not valid: use one of tiny, custom"),
+        ("engine", "num_slots", 0, "engine.num_slots=0 is not valid: must be > 0"),
+        ("model", "d_model", -8, "model.d_model=-8 is not valid: must be > 0"),
+        ("workload", "num_requests", 0, "workload.num_requests=0 is not valid: must be > 0"),
+        (
+            "engine",
+            "clock",
+            "wall",
+            "engine.clock='wall' is not valid: use one of measured, passes",
+        ),
+        ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
+    ],
+)
+def test_config_errors_name_the_field(section, field, value, expect):
+    cfg = Config()
+    setattr(getattr(cfg, section), field, value)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value) == expect
+
+
+def test_malformed_trace_rows_name_file_and_line(tmp_path):
+    good = "2023-11-16 18:17:03.9799600,4808,10\n"
+    cases = {
+        "2023-11-16 18:17:04.0319600,abc,8\n": "3: ContextTokens 'abc' is not a non-negative",
+        "2023-11-16 18:17:04.0319600,12\n": "3: expected 3 fields, found 2",
+        "yesterday,12,8\n": "3: TIMESTAMP 'yesterday' is not 'YYYY-MM-DD HH:MM:SS[.fffffff]'",
+        "2023-11-16 18:17:04.0319600,12,-1\n": "3: GeneratedTokens '-1' is not a non-negative",
+    }
+    for bad, message in cases.items():
+        path = tmp_path / "t.csv"
+        path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + good + bad + good)
+        with pytest.raises(WorkloadError) as err:
+            read_trace(path)
+        assert str(err.value).startswith(f"{path}:{message}")
+
+
+def test_cli_reports_one_message_and_exit_code_2(tmp_path):
+    cmd = [sys.executable, "-m", "jaxbatch", f"hydra.run.dir={tmp_path}", "engine.num_slots=-1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("jaxbatch: error: engine.num_slots=-1 is not valid: must be > 0")
+    assert not (tmp_path / "metrics.json").exists()
