@@ -1,8 +1,9 @@
 """The loop: schedule -> execute -> commit, on the host, one iteration per forward pass.
 
-The clock advances by each iteration's measured wall time (schedule + execute + commit), or by one
-unit per pass with the `passes` clock; when nothing can run it jumps to the policy's wake time, so
-runs never sleep. Warm-up compiles everything before the clock starts. No metrics or I/O here.
+Each iteration runs the pass, then commit and the next schedule fused in one jitted call, with one
+host sync. The clock is wall time measured from the loop's start (or one unit per pass with the
+`passes` clock); when nothing can run it jumps to the policy's wake time, so runs never sleep.
+Warm-up compiles everything before the clock starts. No metrics or I/O here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.buckets import PassShape, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import IDLE, Plan, SchedState
+from jaxbatch.sched.state import IDLE, REJECTED, Plan, SchedState
 
 
 class Backend(Protocol):
@@ -46,16 +47,20 @@ class RunResult:
 
 
 @cache
-def _with_stats(commit):
-    """commit, also returning each slot's holder and the KV positions in use (one jitted call)."""
+def _stepper(policy: Policy):
+    """commit the pass, then schedule the next one: one jitted call and one host sync per pass.
 
-    def commit_and_measure(state, plan, tokens, params):
-        state = commit(state, plan, tokens, params)
-        held = state.slot_req >= 0
-        kv = jnp.where(held, state.num_computed[jnp.maximum(state.slot_req, 0)], 0).sum()
-        return state, (state.slot_req, kv)
+    Also returns each slot's holder during the committed pass and the KV positions in use after it.
+    """
 
-    return commit_and_measure
+    def step(state, plan, tokens, params, now):
+        holder = state.slot_req
+        state = policy.commit(state, plan, tokens, params)
+        kv = jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
+        state, next_plan = policy.schedule(state.replace(now=now), params)
+        return state, next_plan, (holder, kv)
+
+    return jax.jit(step)
 
 
 def run(
@@ -68,45 +73,56 @@ def run(
     progress: bool = False,
     max_passes: int = 10_000_000,
 ) -> RunResult:
-    schedule = jax.jit(policy.schedule)
-    commit = jax.jit(_with_stats(policy.commit))
+    schedule, step = jax.jit(policy.schedule), _stepper(policy)
     compiles0, t0 = num_compiles(), time.perf_counter()
     warm_state, warm_plan = schedule(state, params)
-    jax.block_until_ready(commit(warm_state, warm_plan, jnp.zeros_like(warm_plan.req), params))
+    dummy = jnp.zeros_like(warm_plan.req)
+    jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     backend.warmup(warmup_shapes)
     warmup_s = time.perf_counter() - t0
     compiles_warm = num_compiles()
 
-    prompt_len = np.asarray(state.prompt_len)
-    recorder = Recorder(prompt_len)
+    recorder = Recorder(np.asarray(state.prompt_len))
     logits: list[np.ndarray] = []
-    live = np.asarray(state.status) != 4  # REJECTED
+    live = np.asarray(state.status) != REJECTED
     bar = tqdm(
         total=int(np.asarray(state.max_new)[live].sum()), disable=not progress, unit="tok",
         desc=policy.name, leave=False,
     )  # fmt: skip
-    now = 0.0
+    measured = clock == "measured"
     loop_start = time.perf_counter()
-    for _ in range(max_passes):
-        t_start = time.perf_counter()
-        state, plan = schedule(state.replace(now=np.float32(now)), params)
-        plan_h = jax.device_get(plan)
+    skipped = 0.0  # clock time jumped over while idle: runs never sleep
+    elapsed = lambda: time.perf_counter() - loop_start + skipped  # noqa: E731
+    now, passes = 0.0, 0
+    state, plan = schedule(state.replace(now=np.float32(now)), params)
+    plan_h = jax.device_get(plan)
+    while True:
         if int(plan_h.kind) == IDLE:
             if not np.isfinite(plan_h.wait_until):
                 break
-            now = max(now, float(plan_h.wait_until))
+            wake = max(now, float(plan_h.wait_until))
+            if measured:
+                skipped += max(0.0, wake - elapsed())
+            now = wake
+            state, plan = schedule(state.replace(now=np.float32(now)), params)
+            plan_h = jax.device_get(plan)
             continue
+        if passes == max_passes:
+            raise RuntimeError(f"the run did not end within max_passes={max_passes}")
         tokens, pass_logits = backend.execute(plan_h)
-        state, (holder, kv) = commit(state, plan, tokens, params)
-        holder, kv = jax.device_get((holder, kv))
+        if measured:
+            jax.block_until_ready(tokens)  # the next schedule sees arrivals up to the pass's end
+        sched_at = elapsed() if measured else now + 1.0
+        state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
+        next_h, (holder, kv) = jax.device_get((next_plan, stats))
+        # A measured pass ends once its commit and the next plan are ready.
+        end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
-        dt = time.perf_counter() - t_start if clock == "measured" else 1.0
         shape = backend.buckets.shape_of(plan_h)
-        bar.update(recorder.add(now, dt, plan_h, holder, shape.rows * shape.tokens, int(kv)))
-        now += dt
-    else:
-        raise RuntimeError(f"the run did not end within max_passes={max_passes}")
+        computed = shape.rows * shape.tokens
+        bar.update(recorder.add(now, end - now, plan_h, holder, computed, int(kv)))
+        now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
     wall_s = time.perf_counter() - loop_start
     bar.close()
     final = jax.device_get(state)
