@@ -29,7 +29,7 @@ def main() -> None:
     output = LengthConfig(dist="uniform", low=8, high=256)
     b = args.slots
     tok_s, runs = {}, {}
-    for rep in range(args.repeats):
+    for _ in range(args.repeats):
         for policy in ("static", "continuous"):  # interleaved, so drift hits both alike
             cfg = config(policy, b, args.requests, prompt, output)
             res = simulate(cfg, from_config(cfg.workload))
