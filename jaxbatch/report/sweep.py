@@ -30,6 +30,12 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: (len(p.name), p.name))
 
 
+def _label(row: dict) -> str:
+    """A job's figure label: its overrides, less those that change no result (output.*)."""
+    kept = [o for o in row["overrides"].split() if not o.startswith("output.")]
+    return " ".join(kept) or row["job"]
+
+
 def summarize_sweep(sweep_dir: Path) -> list[dict]:
     """Write summary.csv, timelines.png and metrics.png into sweep_dir; return the rows."""
     rows, panels = [], []
@@ -44,7 +50,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
                 row[f"{k}.{q}"] = metrics[k][q]
         rows.append(row)
         if (job / "record.npz").exists():
-            panels.append((row["overrides"] or job.name, load_record(job / "record.npz")))
+            panels.append((_label(row), load_record(job / "record.npz")))
     if not rows:
         return rows
     with (sweep_dir / "summary.csv").open("w", newline="") as f:
@@ -53,7 +59,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
         w.writerows(rows)
     if panels:
         plot_timelines(panels, sweep_dir / "timelines.png")
-    labels = [r["overrides"] or r["job"] for r in rows]
+    labels = [_label(r) for r in rows]
     plot_bars(labels, {k: [r[k] or 0.0 for r in rows] for k in BARS}, sweep_dir / "metrics.png")
     return rows
 
