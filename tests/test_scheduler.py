@@ -159,3 +159,14 @@ def test_schedule_is_jittable_and_vmappable():
     np.testing.assert_array_equal(plans.req[0], [0, 1, 2, 3])
     np.testing.assert_array_equal(plans.num_tokens[0], [1, 2, 3, 4])
     np.testing.assert_array_equal(plans.req[1], [0, -1, -1, -1])
+
+
+def test_eos_ends_a_request_when_honoured():
+    # The simulator draws token 0 everywhere: with eos_id 0 each request ends at its first token.
+    arrival, prompt, budget = np.zeros(N), np.full(N, 5), np.full(N, 9)
+    for eos, expect in ((-1, 9), (0, 1), (7, 9)):
+        state = init_state(arrival, prompt, budget, np.zeros(N, bool), 4)
+        params = PolicyParams(eos_id=np.int32(eos))
+        res = run(make_policy("continuous"), params, state, Simulator(4, 128), [], clock="passes")
+        assert (np.asarray(res.final.status) == FINISHED).all()
+        np.testing.assert_array_equal(np.asarray(res.final.num_generated), np.full(N, expect))
