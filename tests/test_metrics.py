@@ -39,7 +39,7 @@ def test_request_times_by_hand():
     arrival = np.array([0.0, 2.5])
     np.testing.assert_array_equal(t.ttft(arrival), [1.0, 1.5])
     np.testing.assert_array_equal(t.e2e(arrival), [6.0, 3.5])
-    np.testing.assert_array_equal(t.tpot(arrival), [2.5, 2.0])
+    np.testing.assert_array_equal(t.tpot(), [2.5, 2.0])
 
 
 def test_summary_by_hand():

@@ -42,7 +42,7 @@ def write_requests(
     times: RequestTimes,
     reasons: list[str],
 ) -> None:
-    ttft, tpot, e2e = times.ttft(arrival), times.tpot(arrival), times.e2e(arrival)
+    ttft, tpot, e2e = times.ttft(arrival), times.tpot(), times.e2e(arrival)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(REQUEST_COLUMNS)

@@ -43,7 +43,7 @@ class RequestTimes:
     def e2e(self, arrival: np.ndarray) -> np.ndarray:
         return self.last - arrival
 
-    def tpot(self, arrival: np.ndarray) -> np.ndarray:
+    def tpot(self) -> np.ndarray:
         """nan where a request has fewer than two output tokens."""
         with np.errstate(invalid="ignore", divide="ignore"):
             t = (self.last - self.first) / (self.output_len - 1)
@@ -93,7 +93,7 @@ def summarize(
         "total_throughput_tok_s": rate(out_tokens + prompt_tokens),
         "request_throughput_req_s": rate(int(done.sum())),
         "ttft_s": stats(times.ttft(arrival)[done]),
-        "tpot_s": stats(times.tpot(arrival)[done & (times.output_len > 1)]),
+        "tpot_s": stats(times.tpot()[done & (times.output_len > 1)]),
         "itl_s": stats(times.itl),
         "e2e_s": stats(times.e2e(arrival)[done]),
         "slot_utilization": (record.num_tokens > 0).sum() / slot_passes if slot_passes else 0.0,
