@@ -110,7 +110,7 @@ def summary_table(metrics: dict) -> str:
         ("requests finished / rejected",
          f"{metrics['num_finished']} / {metrics['num_rejected']} of {metrics['num_requests']}"),
         ("passes", metrics["num_passes"]),
-        ("duration", f"{metrics['duration_s']:.3f} s ({metrics['clock']} clock)"),
+        ("duration", f"{metrics['duration_s']:.3f} {_unit(metrics)} ({metrics['clock']} clock)"),
         ("output throughput", f"{metrics['output_throughput_tok_s']:.1f} tok/s"),
         ("TTFT p50 / p99", _pair(metrics["ttft_s"])),
         ("TPOT p50 / p99", _pair(metrics["tpot_s"])),
@@ -122,6 +122,11 @@ def summary_table(metrics: dict) -> str:
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _unit(metrics: dict) -> str:
+    """With the passes clock every time (arrivals too) is counted in passes, not seconds."""
+    return "passes" if metrics["clock"] == "passes" else "s"
 
 
 def _pair(s: dict) -> str:
