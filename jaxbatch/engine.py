@@ -29,7 +29,7 @@ class Backend(Protocol):
     buckets: object
 
     def warmup(self, shapes: list[PassShape]) -> None: ...
-    def execute(self, plan: Plan) -> tuple[Array, Array | None]: ...
+    def execute(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]: ...
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray] | None: ...
 
 
@@ -109,7 +109,8 @@ def run(
             continue
         if passes == max_passes:
             raise RuntimeError(f"the run did not end within max_passes={max_passes}")
-        tokens, pass_logits = backend.execute(plan_h)
+        shape = backend.buckets.shape_of(plan_h)
+        tokens, pass_logits = backend.execute(plan_h, shape)
         if measured:
             jax.block_until_ready(tokens)  # the next schedule sees arrivals up to the pass's end
         sched_at = elapsed() if measured else now + 1.0
@@ -119,7 +120,6 @@ def run(
         end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
-        shape = backend.buckets.shape_of(plan_h)
         computed = shape.rows * shape.tokens
         bar.update(recorder.add(now, end - now, plan_h, holder, computed, int(kv)))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1

@@ -15,9 +15,10 @@ from tests.conftest import make_workload
 reference = jax.jit(full_forward, static_argnums=0)
 
 
-def _plan(req, num_tokens, start, kind):
+def _execute(runner, req, num_tokens, start, kind):
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return Plan(i32(req), i32(num_tokens), i32(start), np.int32(kind), np.float32(0))
+    plan = Plan(i32(req), i32(num_tokens), i32(start), np.int32(kind), np.float32(0))
+    return runner.execute(plan, runner.buckets.shape_of(plan))
 
 
 def test_cached_passes_match_full_forward(spec, params):
@@ -28,10 +29,10 @@ def test_cached_passes_match_full_forward(spec, params):
     runner = Runner(spec, params, 4, w.prompts(spec.vocab_size, spec.max_len), prompt_len,
                     with_logits=True)  # fmt: skip
     order = rng.permutation(4)  # slots in a shuffled order, so slot != request id
-    tokens, logits = runner.execute(_plan(order, prompt_len[order], [0] * 4, PREFILL))
+    tokens, logits = _execute(runner, order, prompt_len[order], [0] * 4, PREFILL)
     seen = {int(order[s]): [np.asarray(logits[s])] for s in range(4)}
     for step in range(6):
-        tokens, logits = runner.execute(_plan(order, [1] * 4, prompt_len[order] + step, DECODE))
+        tokens, logits = _execute(runner, order, [1] * 4, prompt_len[order] + step, DECODE)
         for s in range(4):
             seen[int(order[s])].append(np.asarray(logits[s]))
     buf = np.asarray(runner.token_buf)
@@ -50,7 +51,7 @@ def test_padding_rows_write_nothing(spec, params):
     """Warm-up runs every bucket with padding rows only: the cache must come out unchanged."""
     w = make_workload([20, 5], [4, 4])
     runner = Runner(spec, params, 2, w.prompts(spec.vocab_size, spec.max_len), w.prompt_len)
-    runner.execute(_plan([0, 1], [20, 5], [0, 0], PREFILL))
+    _execute(runner, [0, 1], [20, 5], [0, 0], PREFILL)
     before = [np.asarray(k).copy() for k in runner.cache.k]
     buf_before = np.asarray(runner.token_buf).copy()
     runner.warmup(Buckets(2, spec.max_len).for_workload(w.prompt_len, w.max_new))

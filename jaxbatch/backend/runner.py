@@ -141,9 +141,9 @@ class Runner:
         buf, plen = np.asarray(self.token_buf), np.asarray(self.prompt_len)
         return [buf[i, plen[i] : plen[i] + g] for i, g in enumerate(num_generated)]
 
-    def execute(self, plan: Plan) -> tuple[Array, Array | None]:
-        """Run a host-side plan; returns device arrays: each slot's drawn token [B] (and logits)."""
-        shape = self.buckets.shape_of(plan)
+    def execute(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
+        """Run a host-side plan at its bucketed shape (`buckets.shape_of(plan)`); returns device
+        arrays: each slot's drawn token [B] (and logits)."""
         if int(plan.kind) == DECODE:
             slots = np.arange(self.num_slots, dtype=np.int32)
             return self._call(shape, slots, plan.req, plan.start_pos, plan.num_tokens)
