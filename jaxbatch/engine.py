@@ -29,7 +29,9 @@ class Backend(Protocol):
     buckets: object
 
     def warmup(self, shapes: list[PassShape]) -> None: ...
-    def execute(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]: ...
+    def execute(
+        self, plan: Plan, shape: PassShape, on_device: Plan | None = None
+    ) -> tuple[Array, Array | None]: ...
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray] | None: ...
 
 
@@ -110,7 +112,7 @@ def run(
         if passes == max_passes:
             raise RuntimeError(f"the run did not end within max_passes={max_passes}")
         shape = backend.buckets.shape_of(plan_h)
-        tokens, pass_logits = backend.execute(plan_h, shape)
+        tokens, pass_logits = backend.execute(plan_h, shape, plan)
         if measured:
             jax.block_until_ready(tokens)  # the next schedule sees arrivals up to the pass's end
         sched_at = elapsed() if measured else now + 1.0

@@ -112,6 +112,7 @@ class Runner:
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
+        self._all_slots = jnp.arange(num_slots, dtype=jnp.int32)
 
     def _call(self, shape: PassShape, slot, req, start, length) -> tuple[Array, Array | None]:
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
@@ -141,12 +142,15 @@ class Runner:
         buf, plen = np.asarray(self.token_buf), np.asarray(self.prompt_len)
         return [buf[i, plen[i] : plen[i] + g] for i, g in enumerate(num_generated)]
 
-    def execute(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
+    def execute(
+        self, plan: Plan, shape: PassShape, on_device: Plan | None = None
+    ) -> tuple[Array, Array | None]:
         """Run a host-side plan at its bucketed shape (`buckets.shape_of(plan)`); returns device
-        arrays: each slot's drawn token [B] (and logits)."""
+        arrays: each slot's drawn token [B] (and logits). A decode pass feeds the plan's own
+        arrays, so passing the plan's device copy as `on_device` saves a host-to-device copy."""
         if int(plan.kind) == DECODE:
-            slots = np.arange(self.num_slots, dtype=np.int32)
-            return self._call(shape, slots, plan.req, plan.start_pos, plan.num_tokens)
+            p = plan if on_device is None else on_device
+            return self._call(shape, self._all_slots, p.req, p.start_pos, p.num_tokens)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
         pad = shape.rows - len(slots)

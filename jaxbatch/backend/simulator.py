@@ -22,7 +22,9 @@ class Simulator:
     def warmup(self, shapes: list[PassShape]) -> None:
         """Nothing to compile."""
 
-    def execute(self, plan: Plan, shape: PassShape) -> tuple[Array, None]:
+    def execute(
+        self, plan: Plan, shape: PassShape, on_device: Plan | None = None
+    ) -> tuple[Array, None]:
         return self._tokens, None
 
     def outputs(self, num_generated: np.ndarray) -> None:
