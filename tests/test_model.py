@@ -17,7 +17,8 @@ reference = jax.jit(full_forward, static_argnums=0)
 
 def _execute(runner, req, num_tokens, start, kind):
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    plan = Plan(i32(req), i32(num_tokens), i32(start), np.int32(kind), np.float32(0))
+    table = np.full((len(req), runner.max_blocks), -1, np.int32)
+    plan = Plan(i32(req), i32(num_tokens), i32(start), np.int32(kind), np.float32(0), table)
     return runner.execute(plan, runner.buckets.shape_of(plan))
 
 

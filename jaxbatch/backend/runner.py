@@ -17,9 +17,16 @@ import numpy as np
 from jax import Array
 
 from jaxbatch.backend.buckets import Buckets, PassShape
-from jaxbatch.model.kvcache import CacheIndex, SlotCache, init_slot_cache
+from jaxbatch.model.kvcache import (
+    CacheIndex,
+    PagedCache,
+    SlotCache,
+    init_paged_cache,
+    init_slot_cache,
+)
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import Transformer
+from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.state import DECODE, PREFILL, Plan
 
 
@@ -51,14 +58,16 @@ def sample(logits: Array, req: Array, pos: Array, sampling: Sampling) -> Array:
 
 def _pass(
     params, cache, token_buf, prompt_len, request_ids, row_slot, row_req, row_start, row_len,
-    *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool,
+    row_table, *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int,
+    with_logits: bool,
 ):  # fmt: skip
     """One forward pass over `shape.rows` rows of `shape.tokens` tokens each."""
     t = jnp.arange(shape.tokens)
     positions = row_start[:, None] + t
     valid = t < row_len[:, None]
     tokens = token_buf.at[row_req[:, None], positions].get(mode="clip")
-    index = CacheIndex(slots=row_slot, positions=positions, valid=valid)
+    table = row_table if isinstance(cache, PagedCache) else None
+    index = CacheIndex(slots=row_slot, positions=positions, valid=valid, block_table=table)
     logits, cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
         logit_index=jnp.maximum(row_len - 1, 0),
@@ -103,18 +112,27 @@ class Runner:
         sampling: Sampling = Sampling(),
         with_logits: bool = False,
         min_bucket: int = 16,
+        memory: MemorySpec | None = None,
     ):
         self.spec, self.params, self.num_slots = spec, params, num_slots
         self.buckets = Buckets(num_slots=num_slots, max_len=spec.max_len, min_len=min_bucket)
         self.sampling, self.with_logits = sampling, with_logits
-        self.cache: SlotCache = init_slot_cache(spec, num_slots)
+        self.paged = memory is not None and memory.paged
+        self.max_blocks = memory.max_blocks if memory else 0
+        self.cache: SlotCache | PagedCache = (
+            init_paged_cache(spec, memory.num_blocks, memory.block_size)
+            if self.paged
+            else init_slot_cache(spec, num_slots)
+        )
         self.token_buf = jnp.asarray(prompts, jnp.int32)  # [N, max_len]: prompt, then outputs
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
         self._all_slots = jnp.arange(num_slots, dtype=jnp.int32)
 
-    def _call(self, shape: PassShape, slot, req, start, length) -> tuple[Array, Array | None]:
+    def _call(
+        self, shape: PassShape, slot, req, start, length, table
+    ) -> tuple[Array, Array | None]:
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
         self.cache, self.token_buf, tokens, logits = fn(
             self.params,
@@ -126,6 +144,7 @@ class Runner:
             req,
             start,
             length,
+            table,
         )
         return tokens, logits
 
@@ -134,7 +153,8 @@ class Runner:
         for shape in shapes:
             idle_slot = np.full(shape.rows, self.num_slots, np.int32)
             zeros = np.zeros(shape.rows, np.int32)
-            self._call(shape, idle_slot, zeros, zeros, zeros)
+            no_blocks = np.full((shape.rows, self.max_blocks), -1, np.int32)
+            self._call(shape, idle_slot, zeros, zeros, zeros, no_blocks)
         jax.block_until_ready(self.cache)
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
@@ -150,7 +170,9 @@ class Runner:
         arrays, so passing the plan's device copy as `on_device` saves a host-to-device copy."""
         if int(plan.kind) == DECODE:
             p = plan if on_device is None else on_device
-            return self._call(shape, self._all_slots, p.req, p.start_pos, p.num_tokens)
+            return self._call(
+                shape, self._all_slots, p.req, p.start_pos, p.num_tokens, p.block_table
+            )
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
         pad = shape.rows - len(slots)
@@ -158,4 +180,7 @@ class Runner:
         row_req = np.concatenate([plan.req[slots], np.zeros(pad, np.int32)])
         row_start = np.concatenate([plan.start_pos[slots], np.zeros(pad, np.int32)])
         row_len = np.concatenate([plan.num_tokens[slots], np.zeros(pad, np.int32)])
-        return self._call(shape, row_slot, row_req, row_start, row_len)
+        row_table = np.concatenate(
+            [plan.block_table[slots], np.full((pad, self.max_blocks), -1, np.int32)]
+        )
+        return self._call(shape, row_slot, row_req, row_start, row_len, row_table)

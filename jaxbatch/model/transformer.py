@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jaxbatch.model.attention import attend, rope
-from jaxbatch.model.kvcache import CacheIndex, SlotCache
+from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 from jaxbatch.model.spec import ModelSpec
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -69,11 +69,11 @@ class Transformer(nn.Module):
         self,
         tokens: Array,
         positions: Array,
-        cache: SlotCache | None = None,
+        cache: SlotCache | PagedCache | None = None,
         index: CacheIndex | None = None,
         ctx_len: int = 0,
         logit_index: Array | None = None,
-    ) -> tuple[Array, SlotCache | None]:
+    ) -> tuple[Array, SlotCache | PagedCache | None]:
         s = self.spec
         x = nn.Embed(s.vocab_size, s.d_model, embedding_init=_init, name="embed")(tokens)
         x = x.astype(s.jnp_dtype)

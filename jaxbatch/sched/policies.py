@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
+from jaxbatch.sched.blocks import allocate, blocks_for, free_slots
 from jaxbatch.sched.state import (
     DECODE,
     FINISHED,
@@ -35,6 +37,7 @@ class PolicyParams:
 
     max_wait_s: Array = struct.field(default_factory=lambda: jnp.float32(0.0))
     eos_id: Array = struct.field(default_factory=lambda: jnp.int32(-1))  # -1: ignore EOS
+    watermark_blocks: Array = struct.field(default_factory=lambda: jnp.int32(0))  # kept free
 
 
 class Policy(NamedTuple):
@@ -54,35 +57,61 @@ def _next_arrival(state: SchedState) -> Array:
 
 
 def release(state: SchedState, mask: Array) -> SchedState:
-    """Free the slots in mask [B]; their requests keep their status."""
+    """Free the slots in mask [B] and their memory; their requests keep their status."""
     req = jnp.where(mask, state.slot_req, -1)
-    slot = state.slot.at[req].set(-1, mode="drop")
-    return state.replace(slot=slot, slot_req=jnp.where(mask, -1, state.slot_req))
+    table, pool = free_slots(state.block_table, state.block_free, mask)
+    return state.replace(
+        slot=state.slot.at[req].set(-1, mode="drop"),
+        reserved=state.reserved.at[req].set(0, mode="drop"),
+        slot_req=jnp.where(mask, -1, state.slot_req),
+        block_table=table,
+        block_free=pool,
+    )
 
 
-def admit_fcfs(state: SchedState, limit: Array) -> SchedState:
-    """Put up to `limit` queued requests into free slots, earliest arrival first (ties: low id)."""
+def memory_room(state: SchedState, params: PolicyParams) -> Array:
+    """KV positions that admission may still grant (inf-like without a memory budget)."""
+    mem = state.memory
+    if mem is None:
+        return jnp.int32(2**30)
+    if mem.paged:
+        free = state.block_free.sum() - params.watermark_blocks
+        return (free * mem.block_size).astype(jnp.int32)
+    return jnp.int32(mem.budget_tokens) - state.reserved.sum()
+
+
+def admit_fcfs(state: SchedState, limit: Array, params: PolicyParams) -> SchedState:
+    """Put up to `limit` queued requests into free slots: preempted ones first, then earliest
+    arrival (ties: low id), and only while the memory budget grants each its need in order."""
     n, b = state.arrival.shape[0], state.num_slots
     queued = _queued(state)
-    order = jnp.argsort(jnp.where(queued, state.arrival, _INF), stable=True)
+    first = jnp.where(state.status == PREEMPTED, 0, 1)
+    order = jnp.lexsort((jnp.where(queued, state.arrival, _INF), jnp.where(queued, first, 2)))
     free = state.slot_req < 0
-    free_slots = jnp.argsort(~free, stable=True)  # free slots first, in slot order
+    free_slots_ = jnp.argsort(~free, stable=True)  # free slots first, in slot order
     k = jnp.arange(b)
-    n_admit = jnp.minimum(jnp.minimum(queued.sum(), free.sum()), limit)
-    take = k < n_admit
     cand = order.at[k].get(mode="fill", fill_value=0) if n < b else order[:b]
+    tokens = state.prompt_len[cand] + state.num_generated[cand]
+    need = state.memory.need(tokens, state.max_new[cand]) if state.memory else jnp.zeros(b)
+    fits = jnp.cumsum(need) <= memory_room(state, params)
+    n_admit = jnp.minimum(jnp.minimum(queued.sum(), free.sum()), limit)
+    take = (k < n_admit) & fits
     req = jnp.where(take, cand, n)  # n: out of range, dropped below
-    slot_ids = jnp.where(take, free_slots, b)
+    slot_ids = jnp.where(take, free_slots_, b)
+    reserved = jnp.zeros(b, jnp.int32) if state.memory is None or state.memory.paged else need
     return state.replace(
         slot_req=state.slot_req.at[slot_ids].set(req, mode="drop"),
-        slot=state.slot.at[req].set(free_slots, mode="drop"),
+        slot=state.slot.at[req].set(free_slots_, mode="drop"),
         status=state.status.at[req].set(RUNNING, mode="drop"),
+        admit_step=state.admit_step.at[req].set(state.step, mode="drop"),
+        reserved=state.reserved.at[req].set(reserved.astype(jnp.int32), mode="drop"),
     )
 
 
 def plan_prefill_first(state: SchedState, wait_until: Array) -> Plan:
     """A prefill pass for every running request whose prompt is not yet in the cache; else a
-    decode pass for every running request; else an idle plan waiting until `wait_until`."""
+    decode pass for every running request; else an idle plan waiting until `wait_until`.
+    A preempted request's prefill recomputes its prompt and the tokens it had generated."""
     req = state.slot_req
     held = req >= 0
     r = jnp.maximum(req, 0)
@@ -98,7 +127,67 @@ def plan_prefill_first(state: SchedState, wait_until: Array) -> Plan:
         start_pos=jnp.where(feeds, state.num_computed[r], 0).astype(jnp.int32),
         kind=kind.astype(jnp.int32),
         wait_until=jnp.where(kind == IDLE, wait_until, state.now).astype(jnp.float32),
+        block_table=state.block_table,
     )
+
+
+def preempt(state: SchedState, slot: Array) -> SchedState:
+    """Evict the request in `slot`: free its memory and queue it to be recomputed."""
+    r = state.slot_req[slot]
+    state = release(state, jnp.arange(state.num_slots) == slot)
+    return state.replace(
+        status=state.status.at[r].set(PREEMPTED),
+        num_computed=state.num_computed.at[r].set(0),
+        num_preemptions=state.num_preemptions.at[r].add(1),
+    )
+
+
+def grow_blocks(state: SchedState, plan: Plan) -> tuple[SchedState, Plan]:
+    """Give every fed slot the blocks its tokens need this pass. While the pool is short, preempt
+    the running request admitted last (lowest priority first) and drop it from the plan."""
+    if state.memory is None or not state.memory.paged:
+        return state, plan
+    bs = state.memory.block_size
+
+    def shortfall(st, pl):
+        target = blocks_for(pl.start_pos + pl.num_tokens, bs)
+        have = (st.block_table >= 0).sum(axis=1)
+        grow = jnp.where(pl.num_tokens > 0, jnp.maximum(target - have, 0), 0)
+        return grow.sum() - st.block_free.sum()
+
+    def running_slots(st):
+        r = jnp.maximum(st.slot_req, 0)
+        return (st.slot_req >= 0) & (st.status[r] == RUNNING)
+
+    def short(carry):
+        st, pl = carry
+        return (shortfall(st, pl) > 0) & running_slots(st).any()
+
+    def evict(carry):
+        st, pl = carry
+        r = jnp.maximum(st.slot_req, 0)
+        # Victim: lowest priority, then the most recent admission, then the highest slot.
+        key = (-st.priority[r].astype(jnp.float32)) * 1e9 + st.admit_step[r]
+        victim = jnp.argmax(jnp.where(running_slots(st), key, -jnp.inf))
+        st = preempt(st, victim)
+        gone = jnp.arange(st.num_slots) == victim
+        pl = pl.replace(
+            req=jnp.where(gone, -1, pl.req), num_tokens=jnp.where(gone, 0, pl.num_tokens),
+            start_pos=jnp.where(gone, 0, pl.start_pos),
+        )  # fmt: skip
+        return st, pl
+
+    state, plan = jax.lax.while_loop(short, evict, (state, plan))
+    fed = plan.num_tokens > 0
+    have = (state.block_table >= 0).sum(axis=1)
+    target = jnp.where(fed, blocks_for(plan.start_pos + plan.num_tokens, bs), have)
+    table, pool = allocate(state.block_table, state.block_free, target)
+    state = state.replace(block_table=table, block_free=pool)
+    kind = jnp.where(fed.any(), plan.kind, IDLE)
+    return state, plan.replace(
+        kind=kind, wait_until=jnp.where(fed.any(), plan.wait_until, state.now),
+        block_table=table,
+    )  # fmt: skip
 
 
 def static_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState, Plan]:
@@ -113,19 +202,19 @@ def static_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState
     full = queued.sum() >= state.num_slots
     waited = state.now >= oldest + params.max_wait_s
     start_batch = batch_over & (full | waited | (next_arrival == _INF))
-    state = admit_fcfs(state, jnp.where(start_batch, state.num_slots, 0))
+    state = admit_fcfs(state, jnp.where(start_batch, state.num_slots, 0), params)
     wake = jnp.where(
         queued.any(), jnp.minimum(oldest + params.max_wait_s, next_arrival), next_arrival
     )
-    return state, plan_prefill_first(state, wake)
+    return grow_blocks(state, plan_prefill_first(state, wake))
 
 
 def continuous_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState, Plan]:
     """Iteration-level batching: finished requests leave at once; arrivals fill free slots, FCFS."""
     occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
     state = release(state, (state.slot_req >= 0) & occupant_done)
-    state = admit_fcfs(state, state.num_slots)
-    return state, plan_prefill_first(state, _next_arrival(state))
+    state = admit_fcfs(state, state.num_slots, params)
+    return grow_blocks(state, plan_prefill_first(state, _next_arrival(state)))
 
 
 def commit(state: SchedState, plan: Plan, tokens: Array, params: PolicyParams) -> SchedState:

@@ -11,6 +11,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
+from jaxbatch.sched.blocks import MemorySpec
+
 # Request status.
 WAITING, RUNNING, PREEMPTED, FINISHED, REJECTED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("waiting", "running", "preempted", "finished", "rejected")
@@ -31,9 +33,14 @@ class SchedState:
     num_generated: Array  # [N] i32 output tokens produced
     slot: Array  # [N] i32 the slot held, -1 none
     num_preemptions: Array  # [N] i32
+    admit_step: Array  # [N] i32 the step of the latest admission (preemption picks the newest)
+    reserved: Array  # [N] i32 KV positions reserved (contiguous memory), 0 when not held
     slot_req: Array  # [B] i32 the request held, -1 idle
+    block_table: Array  # [B, max_blocks] i32 block ids in order, -1 empty (paged memory)
+    block_free: Array  # [num_blocks] bool the free-block pool (paged memory)
     now: Array  # [] f32 the clock
     step: Array  # [] i32 passes run so far
+    memory: MemorySpec | None = struct.field(pytree_node=False, default=None)  # None: unlimited
 
     @property
     def num_slots(self) -> int:
@@ -49,6 +56,7 @@ class Plan:
     start_pos: Array  # [B] i32
     kind: Array  # [] i32, IDLE / PREFILL / DECODE / MIXED
     wait_until: Array  # [] f32 for an IDLE plan: when work can next start (inf: none left)
+    block_table: Array  # [B, max_blocks] i32 each slot's blocks (width 0 without paged memory)
 
 
 def init_state(
@@ -58,9 +66,12 @@ def init_state(
     rejected: np.ndarray,
     num_slots: int,
     priority: np.ndarray | None = None,
+    memory: MemorySpec | None = None,
 ) -> SchedState:
     n = len(arrival)
     zeros = jnp.zeros(n, jnp.int32)
+    max_blocks = memory.max_blocks if memory else 0
+    num_blocks = memory.num_blocks if memory else 0
     return SchedState(
         arrival=jnp.asarray(arrival, jnp.float32),
         prompt_len=jnp.asarray(prompt_len, jnp.int32),
@@ -71,7 +82,12 @@ def init_state(
         num_generated=zeros,
         slot=jnp.full(n, -1, jnp.int32),
         num_preemptions=zeros,
+        admit_step=zeros,
+        reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
+        block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
+        block_free=jnp.ones(num_blocks, bool),
         now=jnp.float32(0.0),
         step=jnp.int32(0),
+        memory=memory,
     )
