@@ -21,7 +21,8 @@ from jaxbatch.engine import RunResult, run
 from jaxbatch.model.transformer import init_params
 from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
-from jaxbatch.report.plots import plot_timeline
+from jaxbatch.report.plots import plot_memory, plot_timeline
+from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
 from jaxbatch.workload import Workload, WorkloadError, from_config
@@ -31,31 +32,72 @@ register()
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
-def build_backend(cfg: Config, workload: Workload, with_logits: bool = False):
+def memory_spec(cfg: Config) -> MemorySpec:
+    """The KV budget in positions: budget_tokens, else budget_mib, else one max_len per slot."""
+    spec, mem = cfg.model.spec(), cfg.memory
+    if mem.budget_tokens:
+        tokens = mem.budget_tokens
+    elif mem.budget_mib:
+        tokens = int(mem.budget_mib * 2**20 // spec.kv_bytes_per_token)
+    else:
+        tokens = cfg.engine.num_slots * spec.max_len
+    return MemorySpec(tokens, spec.max_len, mem.layout, mem.reservation, mem.block_size)
+
+
+def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]:
+    """Why each request can never run ('' if it can). Stops the run with ConfigError when the
+    budget cannot hold even the smallest request, naming the smallest budget that would."""
+    spec = cfg.model.spec()
+    reasons = workload.rejections(spec.max_len)
+    need = np.asarray(memory.whole_need(workload.prompt_len, workload.max_new))
+    fits_model = np.array([not r for r in reasons])
+    if fits_model.any() and need[fits_model].min() > memory.capacity_tokens:
+        mib = lambda tokens: tokens * spec.kv_bytes_per_token / 2**20  # noqa: E731
+        smallest, largest = need[fits_model].min(), need[fits_model].max()
+        by_tokens = bool(cfg.memory.budget_tokens)
+        raise ConfigError(
+            "memory.budget_tokens" if by_tokens else "memory.budget_mib",
+            memory.budget_tokens if by_tokens else round(mib(memory.budget_tokens), 4),
+            f"it holds {memory.capacity_tokens} KV positions but the smallest request needs "
+            f"{smallest}: use at least {mib(smallest):.4f} MiB (budget_tokens={smallest}); "
+            f"{mib(largest):.4f} MiB fits every request",
+        )  # fmt: skip
+    for i in np.flatnonzero(fits_model & (need > memory.capacity_tokens)):
+        reasons[i] = f"needs {need[i]} KV positions, the budget holds {memory.capacity_tokens}"
+    return reasons
+
+
+def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
     if e.backend == "simulator":
         return Simulator(e.num_slots, spec.max_len, e.min_bucket)
     return Runner(
         spec, init_params(spec, cfg.model.seed), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket,
+        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory,
     )  # fmt: skip
 
 
 def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunResult:
     """Run a validated config on a workload; requests that can never fit are rejected up front."""
-    e, spec = cfg.engine, cfg.model.spec()
-    reasons = workload.rejections(spec.max_len)
-    rejected = np.array([bool(r) for r in reasons])
+    e = cfg.engine
+    memory = memory_spec(cfg)
+    rejected = np.array([bool(r) for r in rejections(cfg, workload, memory)])
     state = init_state(
         workload.arrival, workload.prompt_len, workload.max_new, rejected, e.num_slots,
-        workload.priority,
+        workload.priority, memory,
     )  # fmt: skip
-    backend = build_backend(cfg, workload, with_logits)
+    backend = build_backend(cfg, workload, memory, with_logits)
     ok = ~rejected
-    shapes = backend.buckets.for_workload(workload.prompt_len[ok], workload.max_new[ok])
+    shapes = backend.buckets.for_workload(
+        workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged
+    )
     shapes = shapes if e.warmup else []
-    params = PolicyParams(max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id))
+    watermark = int(cfg.memory.watermark * memory.num_blocks)
+    params = PolicyParams(
+        max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
+        watermark_blocks=np.int32(watermark),
+    )  # fmt: skip
     policy = make_policy(cfg.policy.name)
     return run(policy, params, state, backend, shapes, e.clock, cfg.output.progress)
 
@@ -66,6 +108,7 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
     workload = from_config(cfg.workload, base_dir)
     result = simulate(cfg, workload)
     spec, rec, final = cfg.model.spec(), result.record, result.final
+    memory = memory_spec(cfg)
     status = np.asarray(final.status)
     metrics = {
         "policy": cfg.policy.name,
@@ -75,13 +118,18 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         "num_requests": len(workload),
         "num_rejected": int((status == 4).sum()),
         "num_preemptions": int(np.asarray(final.num_preemptions).sum()),
+        "memory_layout": memory.layout,
+        "kv_budget_tokens": memory.capacity_tokens,
+        "kv_budget_mib": memory.capacity_tokens * spec.kv_bytes_per_token / 2**20,
+        "kv_num_blocks": memory.num_blocks,
+        "kv_max_len_reservations": memory.capacity_tokens // spec.max_len,
         **summarize(
             rec,
             status,
             workload.arrival,
             workload.prompt_len,
             result.duration_s,
-            cfg.engine.num_slots * spec.max_len,
+            memory.capacity_tokens,
         ),  # fmt: skip
         "num_compiles": result.num_compiles,
         "compiles_after_warmup": result.compiles_after_warmup,
@@ -93,7 +141,7 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
     files.write_requests(
         out_dir / "requests.csv", workload.ids, workload.arrival, workload.prompt_len, status,
         np.asarray(final.num_preemptions), request_times(rec, len(workload)),
-        workload.rejections(spec.max_len),
+        rejections(cfg, workload, memory),
     )  # fmt: skip
     files.write_passes(out_dir / "passes.csv", rec)
     files.save_record(out_dir / "record.npz", rec)
@@ -101,6 +149,7 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         files.write_tokens(out_dir / "tokens.jsonl", result.outputs)
     if cfg.output.plots:
         plot_timeline(rec, out_dir / "timeline.png", f"{cfg.policy.name}: {rec.num_passes} passes")
+        plot_memory(rec, memory.capacity_tokens, out_dir / "memory.png", memory.layout)
     return metrics
 
 
@@ -116,6 +165,9 @@ def summary_table(metrics: dict) -> str:
         ("TPOT p50 / p99", _pair(metrics["tpot_s"])),
         ("slot utilisation", f"{metrics['slot_utilization']:.1%}"),
         ("padding waste", f"{metrics['padding_waste']:.1%}"),
+        ("KV memory", f"{metrics['memory_layout']}, {metrics['kv_budget_tokens']} positions, "
+         f"peak {metrics['kv_peak_utilization']:.1%}, waste {metrics['kv_mean_waste']:.1%}"),
+        ("preemptions", metrics["num_preemptions"]),
         ("compiles (after warm-up)",
          f"{metrics['num_compiles']} ({metrics['compiles_after_warmup']})"),
         ("warm-up", f"{metrics['warmup_s']:.2f} s"),

@@ -91,6 +91,16 @@ class EngineConfig:
 
 
 @dataclass
+class MemoryConfig:
+    layout: str = "contiguous"  # contiguous | paged
+    budget_mib: float = 0.0  # KV budget; 0 (and budget_tokens 0): num_slots x max_len positions
+    budget_tokens: int = 0  # the budget in KV positions instead of MiB
+    block_size: int = 16  # paged: positions per block; must divide model.max_len
+    reservation: str = "max_len"  # contiguous: max_len | pow2 | exact (an oracle)
+    watermark: float = 0.01  # paged: share of blocks that admission leaves free
+
+
+@dataclass
 class OutputConfig:
     tokens: bool = False  # write tokens.jsonl
     plots: bool = True
@@ -103,6 +113,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
@@ -162,6 +173,22 @@ def validate(cfg: Config) -> None:
     if not 0 <= e.top_k <= m.vocab_size:
         raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
     _positive("engine.min_bucket", e.min_bucket)
+    mem = cfg.memory
+    _one_of("memory.layout", mem.layout, ("contiguous", "paged"))
+    _one_of("memory.reservation", mem.reservation, ("max_len", "pow2", "exact"))
+    _positive("memory.block_size", mem.block_size)
+    if m.max_len % mem.block_size:
+        raise ConfigError(
+            "memory.block_size", mem.block_size, f"must divide model.max_len={m.max_len}"
+        )
+    if mem.budget_mib < 0:
+        raise ConfigError(
+            "memory.budget_mib", mem.budget_mib, "must be >= 0 (0: one max_len per slot)"
+        )
+    if mem.budget_tokens < 0:
+        raise ConfigError("memory.budget_tokens", mem.budget_tokens, "must be >= 0")
+    if not 0 <= mem.watermark < 1:
+        raise ConfigError("memory.watermark", mem.watermark, "must be in [0, 1)")
 
 
 def register() -> None:

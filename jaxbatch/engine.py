@@ -48,6 +48,16 @@ class RunResult:
     wall_s: float  # host wall time of the loop
 
 
+def kv_reserved(state: SchedState) -> Array:
+    """KV positions granted to held requests: blocks in use (paged) or reservations."""
+    mem = state.memory
+    if mem is None:
+        return jnp.int32(0)
+    if mem.paged:
+        return (~state.block_free).sum() * mem.block_size
+    return state.reserved.sum()
+
+
 @cache
 def _stepper(policy: Policy):
     """commit the pass, then schedule the next one: one jitted call and one host sync per pass.
@@ -59,8 +69,9 @@ def _stepper(policy: Policy):
         holder = state.slot_req
         state = policy.commit(state, plan, tokens, params)
         kv = jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
+        reserved = kv_reserved(state)
         state, next_plan = policy.schedule(state.replace(now=now), params)
-        return state, next_plan, (holder, kv)
+        return state, next_plan, (holder, kv, reserved)
 
     return jax.jit(step)
 
@@ -117,13 +128,13 @@ def run(
             jax.block_until_ready(tokens)  # the next schedule sees arrivals up to the pass's end
         sched_at = elapsed() if measured else now + 1.0
         state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
-        next_h, (holder, kv) = jax.device_get((next_plan, stats))
+        next_h, (holder, kv, reserved) = jax.device_get((next_plan, stats))
         # A measured pass ends once its commit and the next plan are ready.
         end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
         computed = shape.rows * shape.tokens
-        bar.update(recorder.add(now, end - now, plan_h, holder, computed, int(kv)))
+        bar.update(recorder.add(now, end - now, plan_h, holder, computed, int(kv), int(reserved)))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
     wall_s = time.perf_counter() - loop_start
     bar.close()

@@ -26,6 +26,7 @@ def _record():
         emits=emits,
         computed_tokens=np.array([4, 2, 4, 2]),
         kv_tokens=np.array([3, 4, 6, 8]),
+        kv_reserved=np.array([10, 10, 20, 20]),
     )
 
 
@@ -50,7 +51,10 @@ def test_summary_by_hand():
     assert m["total_throughput_tok_s"] == 10 / 6
     assert m["slot_utilization"] == 5 / 8
     assert m["padding_waste"] == 1 - 8 / 12
-    assert m["kv_peak_utilization"] == 8 / 20
+    assert m["kv_peak_utilization"] == 20 / 20
+    assert m["kv_mean_utilization"] == 15 / 20
+    assert m["kv_peak_live"] == 8 / 20
+    assert m["kv_mean_waste"] == np.mean([1 - 3 / 10, 1 - 4 / 10, 1 - 6 / 20, 1 - 8 / 20])
     assert m["ttft_s"]["mean"] == 1.25 and m["ttft_s"]["max"] == 1.5
     assert m["tpot_s"]["p50"] == 2.25
 

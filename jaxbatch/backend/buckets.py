@@ -71,11 +71,21 @@ class Buckets:
             return self.decode(max_end)
         return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end)
 
-    def for_workload(self, prompt_len: np.ndarray, max_new: np.ndarray) -> list[PassShape]:
-        """Every shape a prefill-first run of these requests can use (prompts start at 0)."""
+    def for_workload(
+        self, prompt_len: np.ndarray, max_new: np.ndarray, recompute: bool = False
+    ) -> list[PassShape]:
+        """Every shape a prefill-first run of these requests can use (prompts start at 0).
+        With `recompute` (preemption), a prefill may also hold a prompt and its outputs."""
         if len(prompt_len) == 0:
             return []
-        lengths = sorted({self.length(p) for p in prompt_len})
+        lengths = {self.length(p) for p in prompt_len}
+        if recompute:
+            lo, hi = (
+                self.length(int(np.min(prompt_len))),
+                self.length(int(np.max(prompt_len + max_new))),
+            )
+            lengths |= set(_pow2_range(lo, hi))
+        lengths = sorted(lengths)
         counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
         prefill = [PassShape(c, t, t) for c, t in itertools.product(counts, lengths)]
         lo = self.length(int(np.min(prompt_len)) + 1)

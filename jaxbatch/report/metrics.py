@@ -98,8 +98,19 @@ def summarize(
         "e2e_s": stats(times.e2e(arrival)[done]),
         "slot_utilization": (record.num_tokens > 0).sum() / slot_passes if slot_passes else 0.0,
         "padding_waste": 1.0 - useful / computed if computed else 0.0,
-        "kv_peak_utilization": float(record.kv_tokens.max(initial=0) / kv_capacity_tokens),
-        "kv_mean_utilization": float(record.kv_tokens.mean() / kv_capacity_tokens)
-        if record.num_passes
-        else 0.0,
+        **kv_metrics(record, kv_capacity_tokens),
+    }
+
+
+def kv_metrics(record: Record, capacity: int) -> dict:
+    """Peak and mean share of the budget granted, and the mean share of granted KV positions
+    that hold no live token (internal fragmentation and over-reservation)."""
+    granted = record.kv_reserved
+    used = granted > 0
+    waste = 1.0 - record.kv_tokens[used] / granted[used]
+    return {
+        "kv_peak_utilization": float(granted.max(initial=0) / capacity),
+        "kv_mean_utilization": float(granted.mean() / capacity) if record.num_passes else 0.0,
+        "kv_peak_live": float(record.kv_tokens.max(initial=0) / capacity),
+        "kv_mean_waste": float(waste.mean()) if used.any() else 0.0,
     }

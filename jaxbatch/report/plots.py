@@ -83,3 +83,19 @@ def plot_bars(labels: list[str], metrics: dict[str, list[float]], path: Path) ->
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_memory(record: Record, capacity: int, path: Path, title: str) -> None:
+    """KV positions granted and live per pass, against the budget."""
+    fig, ax = plt.subplots(figsize=(12, 3))
+    x = np.arange(record.num_passes)
+    ax.fill_between(x, record.kv_reserved, step="post", alpha=0.35, label="granted")
+    ax.fill_between(x, record.kv_tokens, step="post", alpha=0.8, label="live tokens")
+    ax.axhline(capacity, color="black", lw=1, ls="--", label="budget")
+    ax.set_xlabel("pass")
+    ax.set_ylabel("KV positions")
+    ax.set_title(f"KV memory ({title})", fontsize=10, loc="left")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

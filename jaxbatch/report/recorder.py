@@ -25,6 +25,7 @@ class Record:
     emits: np.ndarray  # [P, B] bool: the slot produced an output token this pass
     computed_tokens: np.ndarray  # [P] tokens the pass computed, padding included
     kv_tokens: np.ndarray  # [P] KV positions holding live tokens after the pass
+    kv_reserved: np.ndarray  # [P] KV positions granted (blocks or reservations) after the pass
 
     @property
     def num_passes(self) -> int:
@@ -40,14 +41,16 @@ class Recorder:
         self._prompt_len = np.asarray(prompt_len)
         self._rows: list[tuple] = []
 
-    def add(self, start, duration, plan: Plan, holder, computed_tokens, kv_tokens) -> int:
+    def add(
+        self, start, duration, plan: Plan, holder, computed_tokens, kv_tokens, kv_reserved
+    ) -> int:
         """Record one pass; returns how many output tokens it produced."""
         active = plan.num_tokens > 0
         ends = plan.start_pos + plan.num_tokens
         emits = active & (ends >= self._prompt_len[np.maximum(plan.req, 0)])
         self._rows.append(
             (start, duration, int(plan.kind), plan.req, plan.num_tokens, plan.start_pos,
-             holder, emits, computed_tokens, kv_tokens)
+             holder, emits, computed_tokens, kv_tokens, kv_reserved)
         )  # fmt: skip
         return int(emits.sum())
 
@@ -55,7 +58,9 @@ class Recorder:
         if not self._rows:
             empty = np.zeros((0, num_slots), np.int64)
             z = np.zeros(0)
-            return Record(z, z, z.astype(int), empty, empty, empty, empty, empty.astype(bool), z, z)
+            return Record(
+                z, z, z.astype(int), empty, empty, empty, empty, empty.astype(bool), z, z, z
+            )
         cols = list(zip(*self._rows))
         return Record(
             start=np.array(cols[0], np.float64),
@@ -68,4 +73,5 @@ class Recorder:
             emits=np.stack(cols[7]),
             computed_tokens=np.array(cols[8], np.int64),
             kv_tokens=np.array(cols[9], np.int64),
+            kv_reserved=np.array(cols[10], np.int64),
         )

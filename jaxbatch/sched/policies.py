@@ -103,7 +103,7 @@ def admit_fcfs(state: SchedState, limit: Array, params: PolicyParams) -> SchedSt
         slot_req=state.slot_req.at[slot_ids].set(req, mode="drop"),
         slot=state.slot.at[req].set(free_slots_, mode="drop"),
         status=state.status.at[req].set(RUNNING, mode="drop"),
-        admit_step=state.admit_step.at[req].set(state.step, mode="drop"),
+        admit_order=state.admit_order.at[req].set(state.step * b + k, mode="drop"),
         reserved=state.reserved.at[req].set(reserved.astype(jnp.int32), mode="drop"),
     )
 
@@ -166,9 +166,10 @@ def grow_blocks(state: SchedState, plan: Plan) -> tuple[SchedState, Plan]:
     def evict(carry):
         st, pl = carry
         r = jnp.maximum(st.slot_req, 0)
-        # Victim: lowest priority, then the most recent admission, then the highest slot.
-        key = (-st.priority[r].astype(jnp.float32)) * 1e9 + st.admit_step[r]
-        victim = jnp.argmax(jnp.where(running_slots(st), key, -jnp.inf))
+        # Victim: the lowest priority, and among those the most recently admitted.
+        running = running_slots(st)
+        lowest = running & (st.priority[r] == jnp.min(jnp.where(running, st.priority[r], 2**30)))
+        victim = jnp.argmax(jnp.where(lowest, st.admit_order[r], -1))
         st = preempt(st, victim)
         gone = jnp.arange(st.num_slots) == victim
         pl = pl.replace(
@@ -183,9 +184,11 @@ def grow_blocks(state: SchedState, plan: Plan) -> tuple[SchedState, Plan]:
     target = jnp.where(fed, blocks_for(plan.start_pos + plan.num_tokens, bs), have)
     table, pool = allocate(state.block_table, state.block_free, target)
     state = state.replace(block_table=table, block_free=pool)
-    kind = jnp.where(fed.any(), plan.kind, IDLE)
+    # A pass emptied by preemption idles until now: the evicted requests are queued already.
+    emptied = (plan.kind != IDLE) & ~fed.any()
     return state, plan.replace(
-        kind=kind, wait_until=jnp.where(fed.any(), plan.wait_until, state.now),
+        kind=jnp.where(emptied, IDLE, plan.kind),
+        wait_until=jnp.where(emptied, state.now, plan.wait_until),
         block_table=table,
     )  # fmt: skip
 

@@ -33,7 +33,7 @@ class SchedState:
     num_generated: Array  # [N] i32 output tokens produced
     slot: Array  # [N] i32 the slot held, -1 none
     num_preemptions: Array  # [N] i32
-    admit_step: Array  # [N] i32 the step of the latest admission (preemption picks the newest)
+    admit_order: Array  # [N] i32 rank of the latest admission (step x B + place in that step)
     reserved: Array  # [N] i32 KV positions reserved (contiguous memory), 0 when not held
     slot_req: Array  # [B] i32 the request held, -1 idle
     block_table: Array  # [B, max_blocks] i32 block ids in order, -1 empty (paged memory)
@@ -82,7 +82,7 @@ def init_state(
         num_generated=zeros,
         slot=jnp.full(n, -1, jnp.int32),
         num_preemptions=zeros,
-        admit_step=zeros,
+        admit_order=zeros,
         reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
         block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
