@@ -17,9 +17,9 @@ from jaxbatch.report.files import load_record
 from jaxbatch.report.plots import plot_bars, plot_timelines
 
 HEADLINE = (
-    "num_finished", "num_rejected", "num_passes", "duration_s", "output_throughput_tok_s",
-    "request_throughput_req_s", "slot_utilization", "padding_waste", "kv_peak_utilization",
-    "num_compiles",
+    "num_finished", "num_rejected", "num_preemptions", "num_passes", "duration_s",
+    "output_throughput_tok_s", "request_throughput_req_s", "slot_utilization", "padding_waste",
+    "kv_budget_tokens", "kv_peak_utilization", "kv_peak_live", "kv_mean_waste", "num_compiles",
 )  # fmt: skip
 LATENCY = ("ttft_s", "tpot_s", "e2e_s")
 BARS = ("output_throughput_tok_s", "num_passes", "slot_utilization", "tpot_s.p50")
