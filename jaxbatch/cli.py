@@ -143,7 +143,7 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         np.asarray(final.num_preemptions), request_times(rec, len(workload)),
         rejections(cfg, workload, memory),
     )  # fmt: skip
-    files.write_passes(out_dir / "passes.csv", rec)
+    files.write_passes(out_dir / "passes.csv", rec, memory.block_size if memory.paged else 0)
     files.save_record(out_dir / "record.npz", rec)
     if cfg.output.tokens and result.outputs is not None:
         files.write_tokens(out_dir / "tokens.jsonl", result.outputs)

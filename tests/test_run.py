@@ -49,6 +49,11 @@ def test_output_files_agree_with_each_other(tmp_path):
     last_end = float(passes[-1]["start"]) + float(passes[-1]["duration"])
     assert abs(m["duration_s"] - last_end) < 1e-8
     assert abs(m["output_throughput_tok_s"] - sum(out_len) / m["duration_s"]) < 1e-6
+    # Default memory: one max_len (256) reservation per held request.
+    held = np.array([int(p["kv_granted"]) for p in passes]) // 256
+    assert held.max() == 4 and all(
+        int(p["kv_unused"]) == int(p["kv_granted"]) - int(p["kv_live"]) for p in passes
+    )
     ttft = np.array([float(r["ttft_s"]) for r in rows])
     assert abs(m["ttft_s"]["max"] - ttft.max()) < 1e-5
 

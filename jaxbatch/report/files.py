@@ -21,7 +21,10 @@ REQUEST_COLUMNS = (
     "id", "arrival", "prompt_len", "output_len", "status", "ttft_s", "tpot_s", "e2e_s",
     "preemptions", "reason",
 )  # fmt: skip
-PASS_COLUMNS = ("index", "start", "duration", "kind", "tokens", "computed_tokens", "active_slots")
+PASS_COLUMNS = (
+    "index", "start", "duration", "kind", "tokens", "computed_tokens", "active_slots",
+    "kv_live", "kv_granted", "kv_unused", "blocks_granted",
+)  # fmt: skip
 
 
 def _num(x: float) -> str:
@@ -54,7 +57,9 @@ def write_requests(
             )  # fmt: skip
 
 
-def write_passes(path: Path, record: Record) -> None:
+def write_passes(path: Path, record: Record, block_size: int) -> None:
+    """One row per pass; KV columns count positions after the pass (blocks_granted: paged only,
+    else 0)."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(PASS_COLUMNS)
@@ -62,7 +67,10 @@ def write_passes(path: Path, record: Record) -> None:
             w.writerow(
                 [p, f"{record.start[p]:.9f}", f"{record.duration[p]:.9f}",
                  KIND_NAMES[int(record.kind[p])], int(record.num_tokens[p].sum()),
-                 int(record.computed_tokens[p]), int((record.num_tokens[p] > 0).sum())]
+                 int(record.computed_tokens[p]), int((record.num_tokens[p] > 0).sum()),
+                 int(record.kv_tokens[p]), int(record.kv_reserved[p]),
+                 int(record.kv_reserved[p] - record.kv_tokens[p]),
+                 int(record.kv_reserved[p] // block_size) if block_size else 0]
             )  # fmt: skip
 
 
