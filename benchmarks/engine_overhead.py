@@ -16,16 +16,17 @@ import numpy as np
 from common import config, median
 
 from jaxbatch.backend.runner import _jitted_pass
-from jaxbatch.cli import build_backend, simulate
+from jaxbatch.cli import build_backend, memory_spec, simulate
 from jaxbatch.config import LengthConfig
 from jaxbatch.workload import from_config
 
 
 def raw_loop(cfg, workload) -> float:
     """Seconds for the prefill and every decode pass, dispatched back to back."""
-    runner = build_backend(cfg, workload)
+    runner = build_backend(cfg, workload, memory_spec(cfg))
     b, plen, new = cfg.engine.num_slots, int(workload.prompt_len[0]), int(workload.max_new[0])
     slots = np.arange(b, dtype=np.int32)
+    no_blocks = np.zeros((b, 0), np.int32)
     calls = [(runner.buckets.prefill(b, plen, plen), np.zeros(b, np.int32), np.full(b, plen))]
     for step in range(new - 1):
         pos = plen + step
@@ -39,7 +40,7 @@ def raw_loop(cfg, workload) -> float:
     for shape, start, length in calls:
         runner.cache, runner.token_buf, tokens, _ = fns[shape](
             runner.params, runner.cache, runner.token_buf, runner.prompt_len, runner.request_ids,
-            slots, slots, start, length,
+            slots, slots, start, length, no_blocks,
         )  # fmt: skip
     jax.block_until_ready(tokens)
     return time.perf_counter() - t0

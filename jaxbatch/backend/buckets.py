@@ -43,6 +43,7 @@ class PassShape:
     rows: int
     tokens: int
     context: int
+    all_slots: bool = False  # row i is slot i (decode over every slot)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Buckets:
         return pow2_at_least(n, 1, self.num_slots)
 
     def decode(self, max_end: int) -> PassShape:
-        return PassShape(self.num_slots, 1, self.length(max_end))
+        return PassShape(self.num_slots, 1, self.length(max_end), all_slots=True)
 
     def prefill(self, count: int, max_tokens: int, max_end: int) -> PassShape:
         return PassShape(self.count(count), self.length(max_tokens), self.length(max_end))
@@ -91,7 +92,7 @@ class Buckets:
         lo = self.length(int(np.min(prompt_len)) + 1)
         hi = self.length(int(np.max(prompt_len + max_new)))
         contexts = sorted({self.length(c) for c in _pow2_range(lo, hi)})
-        return prefill + [PassShape(self.num_slots, 1, c) for c in contexts]
+        return prefill + [self.decode(c) for c in contexts]
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -67,7 +67,8 @@ def _pass(
     valid = t < row_len[:, None]
     tokens = token_buf.at[row_req[:, None], positions].get(mode="clip")
     table = row_table if isinstance(cache, PagedCache) else None
-    index = CacheIndex(slots=row_slot, positions=positions, valid=valid, block_table=table)
+    slots = None if shape.all_slots else row_slot
+    index = CacheIndex(slots=slots, positions=positions, valid=valid, block_table=table)
     logits, cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
         logit_index=jnp.maximum(row_len - 1, 0),

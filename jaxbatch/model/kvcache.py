@@ -19,7 +19,7 @@ from jaxbatch.model.spec import ModelSpec
 class CacheIndex:
     """Where the rows of a pass live in the cache. Shapes: rows N, tokens per row T."""
 
-    slots: Array  # [N] int32; a padding row holds an out-of-range slot
+    slots: Array | None  # [N] int32 (a padding row: out of range); None: row i is slot i
     positions: Array  # [N, T] int32; the position of each token in its sequence
     valid: Array  # [N, T] bool; False for padding tokens
     block_table: Array | None = None  # [N, max_blocks] i32 each row's blocks (paged layout)
@@ -46,11 +46,15 @@ class SlotCache:
         """Write this pass's K/V of one layer, then read each row's first ctx_len positions."""
         # Padding tokens go to an out-of-range position and are dropped, never overwriting a slot.
         pos = jnp.where(index.valid, index.positions, self.max_len)
-        rows = jnp.broadcast_to(index.slots[:, None], pos.shape)
+        slots = jnp.arange(pos.shape[0]) if index.slots is None else index.slots
+        rows = jnp.broadcast_to(slots[:, None], pos.shape)
         k_layer = self.k[layer].at[rows, pos].set(k_new.astype(self.k[layer].dtype), mode="drop")
         v_layer = self.v[layer].at[rows, pos].set(v_new.astype(self.v[layer].dtype), mode="drop")
-        k_ctx = k_layer.at[index.slots, :ctx_len].get(mode="clip")
-        v_ctx = v_layer.at[index.slots, :ctx_len].get(mode="clip")
+        if index.slots is None:  # every slot in order (decode): a slice XLA can fuse, no gather
+            k_ctx, v_ctx = k_layer[:, :ctx_len], v_layer[:, :ctx_len]
+        else:
+            k_ctx = k_layer.at[index.slots, :ctx_len].get(mode="clip")
+            v_ctx = v_layer.at[index.slots, :ctx_len].get(mode="clip")
         cache = SlotCache(
             k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
             v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :],
