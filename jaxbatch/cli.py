@@ -98,7 +98,7 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
         max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
         watermark_blocks=np.int32(watermark),
     )  # fmt: skip
-    policy = make_policy(cfg.policy.name)
+    policy = make_policy(cfg.policy.name, cfg.policy.queue)
     return run(policy, params, state, backend, shapes, e.clock, cfg.output.progress)
 
 

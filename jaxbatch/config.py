@@ -50,6 +50,7 @@ class ModelConfig:
 class PolicyConfig:
     name: str = "continuous"
     max_wait_s: float = 0.0  # static only: wait up to this long for a full batch
+    queue: str = "fcfs"  # admission order: fcfs | spf (shortest prompt first) | priority
 
 
 @dataclass
@@ -70,6 +71,7 @@ class WorkloadConfig:
     burstiness: float = 1.0  # gamma shape; 1 is Poisson
     prompt: LengthConfig = field(default_factory=LengthConfig)
     output: LengthConfig = field(default_factory=lambda: LengthConfig(mean=64))
+    priority_levels: int = 1  # request priorities drawn uniformly from 0..levels-1
     seed: int = 0
     path: str = ""  # trace CSV (Azure schema)
     limit: int = 0  # trace rows to keep, 0 = all
@@ -140,12 +142,14 @@ def validate(cfg: Config) -> None:
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", m.n_heads, "d_model / n_heads must be even (RoPE)")
     _one_of("policy.name", p.name, POLICY_NAMES)
+    _one_of("policy.queue", p.queue, ("fcfs", "spf", "priority"))
     if p.max_wait_s < 0:
         raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
     _one_of("workload.kind", w.kind, ("synthetic", "trace"))
     if w.kind == "synthetic":
         _positive("workload.num_requests", w.num_requests)
         _one_of("workload.arrival", w.arrival, ("offline", "poisson", "gamma"))
+        _positive("workload.priority_levels", w.priority_levels)
         if w.arrival != "offline":
             _positive("workload.rate", w.rate)
             _positive("workload.burstiness", w.burstiness)

@@ -163,4 +163,7 @@ def from_config(cfg, base_dir: Path | None = None) -> Workload:
     p, o = cfg.prompt, cfg.output
     prompt = lengths(p.dist, p.mean, p.low, p.high, p.sigma, n, rng)
     output = lengths(o.dist, o.mean, o.low, o.high, o.sigma, n, rng)
-    return Workload(arrival=arrival, prompt_len=prompt, max_new=output, seed=cfg.seed)
+    priority = rng.integers(0, cfg.priority_levels, n)
+    return Workload(
+        arrival=arrival, prompt_len=prompt, max_new=output, priority=priority, seed=cfg.seed
+    )

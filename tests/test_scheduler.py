@@ -186,3 +186,40 @@ def test_eos_ends_a_request_when_honoured():
         res = run(make_policy("continuous"), params, state, Simulator(4, 128), [], clock="passes")
         assert (np.asarray(res.final.status) == FINISHED).all()
         np.testing.assert_array_equal(np.asarray(res.final.num_generated), np.full(N, expect))
+
+
+def _admission_order(policy, prompt, budget, arrival, priority, queue, slots=2):
+    state = init_state(arrival, prompt, budget, np.zeros(N, bool), slots, priority)
+    sim = Simulator(slots, 128)
+    res = run(make_policy(policy, queue), PolicyParams(), state, sim, [], clock="passes")
+    assert (np.asarray(res.final.status) == FINISHED).all()
+    return admission_pass(res.record)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(offline=True), st.lists(st.integers(0, 3), min_size=N, max_size=N))
+def test_queue_orders_admit_by_their_key(w, priority):
+    arrival, prompt, budget, slots = w
+    priority = np.array(priority)
+    ids = np.arange(N)
+    for policy in ("static", "continuous"):
+        spf = _admission_order(policy, prompt, budget, arrival, priority, "spf", slots)
+        by_prompt = np.lexsort((ids, prompt))
+        assert (np.diff(spf[by_prompt]) >= 0).all()
+        prio = _admission_order(policy, prompt, budget, arrival, priority, "priority", slots)
+        by_priority = np.lexsort((ids, -priority))
+        assert (np.diff(prio[by_priority]) >= 0).all()
+
+
+def test_shortest_prompt_first_starves_a_long_prompt_that_fcfs_serves():
+    """One slot. A 30-token prompt arrives at t=0 behind a running request; 4-token prompts keep
+    arriving every pass. FCFS serves the long prompt second; SPF serves it only once the short
+    ones stop arriving."""
+    arrival = np.array([0, 0.5] + [1.0 + 2 * i for i in range(N - 2)])
+    prompt = np.array([4, 30] + [4] * (N - 2))
+    budget = np.full(N, 2)
+    priority = np.zeros(N, int)
+    fcfs = _admission_order("continuous", prompt, budget, arrival, priority, "fcfs", slots=1)
+    spf = _admission_order("continuous", prompt, budget, arrival, priority, "spf", slots=1)
+    assert np.argsort(fcfs, kind="stable")[1] == 1  # admitted second
+    assert spf[1] == spf.max()  # admitted last, after every short prompt

@@ -2,12 +2,14 @@
 
 `static` holds a batch in its slots until its slowest request ends (request-level batching);
 `continuous` frees a slot the moment its request ends and refills it before the next pass
-(iteration-level batching, Orca). Both admit in FCFS order. Nothing here may touch the host.
+(iteration-level batching, Orca). Both admit in a queue order (FCFS, shortest prompt first or
+priority). Nothing here may touch the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache, partial
 from typing import NamedTuple
 
 import jax
@@ -80,13 +82,33 @@ def memory_room(state: SchedState, params: PolicyParams) -> Array:
     return jnp.int32(mem.budget_tokens) - state.reserved.sum()
 
 
-def admit_fcfs(state: SchedState, limit: Array, params: PolicyParams) -> SchedState:
-    """Put up to `limit` queued requests into free slots: preempted ones first, then earliest
-    arrival (ties: low id), and only while the memory budget grants each its need in order."""
+QUEUE_ORDERS = ("fcfs", "spf", "priority")
+
+
+def queue_order(state: SchedState, queue: str) -> Array:
+    """[N] request ids in admission order: queued requests first (preempted ones at the head),
+    then by the queue's key, then by arrival, then by id (argsort is stable).
+
+    fcfs: arrival order. No starvation: a request waits only for those that arrived before it.
+    spf: shortest prompt first. A long prompt can wait forever while shorter ones keep arriving.
+    priority: the largest `priority` first. A low-priority request can wait forever likewise.
+    """
+    queued = _queued(state)
+    head = jnp.where(queued, jnp.where(state.status == PREEMPTED, 0, 1), 2)
+    key = {
+        "fcfs": jnp.zeros_like(state.prompt_len),
+        "spf": state.prompt_len,
+        "priority": -state.priority,
+    }[queue]
+    return jnp.lexsort((state.arrival, key, head))
+
+
+def admit(state: SchedState, limit: Array, params: PolicyParams, queue: str) -> SchedState:
+    """Put up to `limit` queued requests into free slots in `queue` order, and only while the
+    memory budget grants each its need in that order (a request never skips one ahead of it)."""
     n, b = state.arrival.shape[0], state.num_slots
     queued = _queued(state)
-    first = jnp.where(state.status == PREEMPTED, 0, 1)
-    order = jnp.lexsort((jnp.where(queued, state.arrival, _INF), jnp.where(queued, first, 2)))
+    order = queue_order(state, queue)
     free = state.slot_req < 0
     free_slots_ = jnp.argsort(~free, stable=True)  # free slots first, in slot order
     k = jnp.arange(b)
@@ -193,7 +215,9 @@ def grow_blocks(state: SchedState, plan: Plan) -> tuple[SchedState, Plan]:
     )  # fmt: skip
 
 
-def static_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState, Plan]:
+def static_schedule(
+    state: SchedState, params: PolicyParams, queue: str = "fcfs"
+) -> tuple[SchedState, Plan]:
     """Request-level batching: a new batch only once every request of the last one has ended."""
     held = state.slot_req >= 0
     occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
@@ -205,18 +229,20 @@ def static_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState
     full = queued.sum() >= state.num_slots
     waited = state.now >= oldest + params.max_wait_s
     start_batch = batch_over & (full | waited | (next_arrival == _INF))
-    state = admit_fcfs(state, jnp.where(start_batch, state.num_slots, 0), params)
+    state = admit(state, jnp.where(start_batch, state.num_slots, 0), params, queue)
     wake = jnp.where(
         queued.any(), jnp.minimum(oldest + params.max_wait_s, next_arrival), next_arrival
     )
     return grow_blocks(state, plan_prefill_first(state, wake))
 
 
-def continuous_schedule(state: SchedState, params: PolicyParams) -> tuple[SchedState, Plan]:
-    """Iteration-level batching: finished requests leave at once; arrivals fill free slots, FCFS."""
+def continuous_schedule(
+    state: SchedState, params: PolicyParams, queue: str = "fcfs"
+) -> tuple[SchedState, Plan]:
+    """Iteration-level batching: finished requests leave at once; arrivals fill free slots."""
     occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
     state = release(state, (state.slot_req >= 0) & occupant_done)
-    state = admit_fcfs(state, state.num_slots, params)
+    state = admit(state, state.num_slots, params, queue)
     return grow_blocks(state, plan_prefill_first(state, _next_arrival(state)))
 
 
@@ -246,5 +272,7 @@ POLICIES: dict[str, Callable[[SchedState, PolicyParams], tuple[SchedState, Plan]
 }
 
 
-def make_policy(name: str) -> Policy:
-    return Policy(name=name, schedule=POLICIES[name], commit=commit)
+@cache
+def make_policy(name: str, queue: str = "fcfs") -> Policy:
+    """The policy `name` admitting in `queue` order; one object per pair, so jit caches hold."""
+    return Policy(name=name, schedule=partial(POLICIES[name], queue=queue), commit=commit)
