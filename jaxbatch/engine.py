@@ -58,6 +58,27 @@ def kv_reserved(state: SchedState) -> Array:
     return state.reserved.sum()
 
 
+def pack(plan: Plan, holder: Array, kv: Array, reserved: Array) -> Array:
+    """The next plan and this pass's stats as one int32 vector: one device-to-host copy."""
+    scalars = jnp.stack(
+        [plan.kind, kv.astype(jnp.int32), reserved.astype(jnp.int32),
+         jax.lax.bitcast_convert_type(plan.wait_until, jnp.int32)]
+    )  # fmt: skip
+    rows = [plan.req, plan.num_tokens, plan.start_pos, holder, plan.block_table.ravel()]
+    return jnp.concatenate([scalars] + [r.astype(jnp.int32) for r in rows])
+
+
+def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]:
+    """Inverse of pack, on the host: (plan, holder, kv, reserved) as numpy."""
+    b = num_slots
+    req, num_tokens, start_pos, holder = (vec[4 + i * b : 4 + (i + 1) * b] for i in range(4))
+    plan = Plan(
+        req=req, num_tokens=num_tokens, start_pos=start_pos, kind=vec[0],
+        wait_until=vec[3:4].view(np.float32)[0], block_table=vec[4 + 4 * b :].reshape(b, -1),
+    )  # fmt: skip
+    return plan, holder, int(vec[1]), int(vec[2])
+
+
 @cache
 def _stepper(policy: Policy):
     """commit the pass, then schedule the next one: one jitted call and one host sync per pass.
@@ -71,7 +92,7 @@ def _stepper(policy: Policy):
         kv = jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
         reserved = kv_reserved(state)
         state, next_plan = policy.schedule(state.replace(now=now), params)
-        return state, next_plan, (holder, kv, reserved)
+        return state, next_plan, pack(next_plan, holder, kv, reserved)
 
     return jax.jit(step)
 
@@ -128,13 +149,13 @@ def run(
             jax.block_until_ready(tokens)  # the next schedule sees arrivals up to the pass's end
         sched_at = elapsed() if measured else now + 1.0
         state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
-        next_h, (holder, kv, reserved) = jax.device_get((next_plan, stats))
+        next_h, holder, kv, reserved = unpack(np.asarray(stats), state.num_slots)
         # A measured pass ends once its commit and the next plan are ready.
         end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
         computed = shape.rows * shape.tokens
-        bar.update(recorder.add(now, end - now, plan_h, holder, computed, int(kv), int(reserved)))
+        bar.update(recorder.add(now, end - now, plan_h, holder, computed, kv, reserved))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
     wall_s = time.perf_counter() - loop_start
     bar.close()
