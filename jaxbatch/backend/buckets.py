@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax import monitoring
 
-from jaxbatch.sched.state import DECODE, Plan
+from jaxbatch.sched.state import DECODE, MIXED, Plan
 
 _compiles = 0
 
@@ -64,12 +64,19 @@ class Buckets:
     def prefill(self, count: int, max_tokens: int, max_end: int) -> PassShape:
         return PassShape(self.count(count), self.length(max_tokens), self.length(max_end))
 
+    def mixed(self, total_tokens: int, max_end: int) -> PassShape:
+        """A flattened pass: one row per token, padded to a power of two."""
+        rows = pow2_at_least(total_tokens, self.min_len, self.num_slots * self.max_len)
+        return PassShape(rows, 1, self.length(max_end))
+
     def shape_of(self, plan: Plan) -> PassShape:
         """The bucketed shape of a host-side (numpy) plan."""
         active = plan.num_tokens > 0
         max_end = int((plan.start_pos + plan.num_tokens)[active].max())
         if int(plan.kind) == DECODE:
             return self.decode(max_end)
+        if int(plan.kind) == MIXED:
+            return self.mixed(int(plan.num_tokens.sum()), max_end)
         return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end)
 
     def for_workload(

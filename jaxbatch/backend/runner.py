@@ -27,7 +27,7 @@ from jaxbatch.model.kvcache import (
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import Transformer
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.state import DECODE, PREFILL, Plan
+from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,12 @@ def sample(logits: Array, req: Array, pos: Array, sampling: Sampling) -> Array:
 
 def _pass(
     params, cache, token_buf, prompt_len, request_ids, row_slot, row_req, row_start, row_len,
-    row_table, *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int,
+    row_last, row_table, *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int,
     with_logits: bool,
 ):  # fmt: skip
-    """One forward pass over `shape.rows` rows of `shape.tokens` tokens each."""
+    """One forward pass over `shape.rows` rows of `shape.tokens` tokens each. A slot's tokens may
+    span several rows (the mixed pass: one token per row); only its last row (`row_last`) samples
+    the slot's next token."""
     t = jnp.arange(shape.tokens)
     positions = row_start[:, None] + t
     valid = t < row_len[:, None]
@@ -76,14 +78,15 @@ def _pass(
     next_pos = row_start + row_len
     drawn = sample(logits, request_ids.at[row_req].get(mode="clip"), next_pos, sampling)
     # Only a row whose known tokens are all cached has drawn a real output token.
-    emits = (row_len > 0) & (next_pos >= prompt_len.at[row_req].get(mode="clip"))
+    emits = row_last & (row_len > 0) & (next_pos >= prompt_len.at[row_req].get(mode="clip"))
     n = token_buf.shape[0]
     token_buf = token_buf.at[jnp.where(emits, row_req, n), next_pos].set(drawn, mode="drop")
-    out_tokens = jnp.full((num_slots,), -1, jnp.int32).at[row_slot].set(drawn, mode="drop")
+    out_slot = jnp.where(row_last, row_slot, num_slots)
+    out_tokens = jnp.full((num_slots,), -1, jnp.int32).at[out_slot].set(drawn, mode="drop")
     out_logits = None
     if with_logits:
         out_logits = jnp.zeros((num_slots, spec.vocab_size), jnp.float32)
-        out_logits = out_logits.at[row_slot].set(logits, mode="drop")
+        out_logits = out_logits.at[out_slot].set(logits, mode="drop")
     return cache, token_buf, out_tokens, out_logits
 
 
@@ -132,8 +135,9 @@ class Runner:
         self._all_slots = jnp.arange(num_slots, dtype=jnp.int32)
 
     def _call(
-        self, shape: PassShape, slot, req, start, length, table
+        self, shape: PassShape, slot, req, start, length, table, last=None
     ) -> tuple[Array, Array | None]:
+        last = np.asarray(length) > 0 if last is None else last
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
         self.cache, self.token_buf, tokens, logits = fn(
             self.params,
@@ -145,6 +149,7 @@ class Runner:
             req,
             start,
             length,
+            last,
             table,
         )
         return tokens, logits
@@ -174,6 +179,8 @@ class Runner:
             return self._call(
                 shape, self._all_slots, p.req, p.start_pos, p.num_tokens, p.block_table
             )
+        if int(plan.kind) == MIXED:
+            return self._call(shape, *self._flatten(plan, shape.rows))
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
         pad = shape.rows - len(slots)
@@ -185,3 +192,22 @@ class Runner:
             [plan.block_table[slots], np.full((pad, self.max_blocks), -1, np.int32)]
         )
         return self._call(shape, row_slot, row_req, row_start, row_len, row_table)
+
+    def _flatten(self, plan: Plan, rows: int):
+        """A mixed pass's rows: one per token of every fed slot, in slot order, padded to rows."""
+        slots = np.flatnonzero(plan.num_tokens > 0)
+        k = plan.num_tokens[slots]
+        total, first = int(k.sum()), np.cumsum(k) - k
+        row_slot = np.full(rows, self.num_slots, np.int32)
+        row_req, row_start = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        row_len, row_last = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        row_slot[:total] = np.repeat(slots, k)
+        row_req[:total] = np.repeat(plan.req[slots], k)
+        row_start[:total] = (
+            np.repeat(plan.start_pos[slots], k) + np.arange(total) - np.repeat(first, k)
+        )
+        row_len[:total] = 1
+        row_last[first + k - 1] = True
+        row_table = np.full((rows, self.max_blocks), -1, np.int32)
+        row_table[:total] = plan.block_table[row_slot[:total]]
+        return row_slot, row_req, row_start, row_len, row_table, row_last
