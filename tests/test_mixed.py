@@ -68,7 +68,7 @@ def test_chunked_prefill_equals_one_shot(spec, params, memory, chunks):
         start += size
     np.testing.assert_allclose(logits[0], whole[0], atol=1e-4)
     np.testing.assert_allclose(_kv(chunked, 0, 45), _kv(one, 0, 45), atol=1e-5)
-    # The prompt in the token buffer is untouched by the intermediate chunks; the next token follows.
+    # Intermediate chunks leave the prompt in the token buffer intact; the next token follows.
     np.testing.assert_array_equal(
         np.asarray(chunked.token_buf)[0, :46], np.asarray(one.token_buf)[0, :46]
     )
