@@ -14,6 +14,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from jaxbatch.backend.buckets import pow2_at_least
 from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, register, validate
@@ -23,7 +24,7 @@ from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
 from jaxbatch.report.plots import plot_memory, plot_timeline
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
 from jaxbatch.workload import Workload, WorkloadError, from_config
 
@@ -69,13 +70,27 @@ def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]
 
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
+    mixed_rows = 0
+    if cfg.policy.name in BUDGETED:
+        mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket)
+        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows)
     return Runner(
         spec, init_params(spec, cfg.model.seed), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory,
+        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
     )  # fmt: skip
+
+
+def policy_options(cfg: Config) -> dict:
+    """The static options of the token-budget policies (none for static and continuous)."""
+    p = cfg.policy
+    if p.name not in BUDGETED:
+        return {}
+    return {
+        "token_budget": p.token_budget, "threshold": p.long_prefill_threshold,
+        "max_prefills": p.max_partial_prefills,
+    }  # fmt: skip
 
 
 def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunResult:
@@ -98,7 +113,7 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
         max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
         watermark_blocks=np.int32(watermark),
     )  # fmt: skip
-    policy = make_policy(cfg.policy.name, cfg.policy.queue)
+    policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
     return run(policy, params, state, backend, shapes, e.clock, cfg.output.progress)
 
 

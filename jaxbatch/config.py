@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
-POLICY_NAMES = ("static", "continuous")
+POLICY_NAMES = ("static", "continuous", "orca", "chunked")
 MODEL_NAMES = ("tiny", "custom")
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes")
@@ -51,6 +51,9 @@ class PolicyConfig:
     name: str = "continuous"
     max_wait_s: float = 0.0  # static only: wait up to this long for a full batch
     queue: str = "fcfs"  # admission order: fcfs | spf (shortest prompt first) | priority
+    token_budget: int = 512  # orca, chunked: most tokens in one pass (max_num_batched_tokens)
+    long_prefill_threshold: int = 0  # chunked: most tokens of one prompt per pass (0: no cap)
+    max_partial_prefills: int = 0  # chunked: most prompts fed in one pass (0: no limit)
 
 
 @dataclass
@@ -143,6 +146,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.n_heads", m.n_heads, "d_model / n_heads must be even (RoPE)")
     _one_of("policy.name", p.name, POLICY_NAMES)
     _one_of("policy.queue", p.queue, ("fcfs", "spf", "priority"))
+    _positive("policy.token_budget", p.token_budget)
+    if p.token_budget < cfg.engine.num_slots and p.name in ("orca", "chunked"):
+        raise ConfigError(
+            "policy.token_budget", p.token_budget,
+            f"must hold one decode per slot: >= engine.num_slots={cfg.engine.num_slots}",
+        )  # fmt: skip
+    for name in ("long_prefill_threshold", "max_partial_prefills"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"policy.{name}", getattr(p, name), "must be >= 0 (0: no limit)")
     if p.max_wait_s < 0:
         raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
     _one_of("workload.kind", w.kind, ("synthetic", "trace"))

@@ -19,7 +19,7 @@ from jaxbatch.workload import WorkloadError, read_trace
             "policy",
             "name",
             "fifo",
-            "policy.name='fifo' is not valid: use one of static, continuous",
+            "policy.name='fifo' is not valid: use one of static, continuous, orca, chunked",
         ),
         ("model", "name", "gpt5", "model.name='gpt5' is not valid: use one of tiny, custom"),
         ("engine", "num_slots", 0, "engine.num_slots=0 is not valid: must be > 0"),

@@ -51,6 +51,7 @@ class Buckets:
     num_slots: int
     max_len: int
     min_len: int = 16
+    mixed_rows: int = 0  # rows of every mixed pass (a token budget's bucket); 0: fit each pass
 
     def length(self, n: int) -> int:
         return pow2_at_least(n, self.min_len, self.max_len)
@@ -66,7 +67,7 @@ class Buckets:
 
     def mixed(self, total_tokens: int, max_end: int) -> PassShape:
         """A flattened pass: one row per token, padded to a power of two."""
-        rows = pow2_at_least(total_tokens, self.min_len, self.num_slots * self.max_len)
+        rows = self.mixed_rows or pow2_at_least(total_tokens, self.min_len, 1 << 30)
         return PassShape(rows, 1, self.length(max_end))
 
     def shape_of(self, plan: Plan) -> PassShape:
@@ -87,6 +88,10 @@ class Buckets:
         if len(prompt_len) == 0:
             return []
         lengths = {self.length(p) for p in prompt_len}
+        mixed = []
+        if self.mixed_rows:
+            ends = _pow2_range(self.min_len, self.length(int(np.max(prompt_len + max_new))))
+            mixed = [PassShape(self.mixed_rows, 1, c) for c in ends]
         if recompute:
             lo, hi = (
                 self.length(int(np.min(prompt_len))),
@@ -99,7 +104,7 @@ class Buckets:
         lo = self.length(int(np.min(prompt_len)) + 1)
         hi = self.length(int(np.max(prompt_len + max_new)))
         contexts = sorted({self.length(c) for c in _pow2_range(lo, hi)})
-        return prefill + [self.decode(c) for c in contexts]
+        return prefill + [self.decode(c) for c in contexts] + mixed
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -117,9 +117,12 @@ class Runner:
         with_logits: bool = False,
         min_bucket: int = 16,
         memory: MemorySpec | None = None,
+        mixed_rows: int = 0,
     ):
         self.spec, self.params, self.num_slots = spec, params, num_slots
-        self.buckets = Buckets(num_slots=num_slots, max_len=spec.max_len, min_len=min_bucket)
+        self.buckets = Buckets(
+            num_slots=num_slots, max_len=spec.max_len, min_len=min_bucket, mixed_rows=mixed_rows
+        )
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
         self.max_blocks = memory.max_blocks if memory else 0

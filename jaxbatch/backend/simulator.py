@@ -15,8 +15,10 @@ from jaxbatch.sched.state import Plan
 
 
 class Simulator:
-    def __init__(self, num_slots: int, max_len: int, min_bucket: int = 16):
-        self.buckets = Buckets(num_slots=num_slots, max_len=max_len, min_len=min_bucket)
+    def __init__(self, num_slots: int, max_len: int, min_bucket: int = 16, mixed_rows: int = 0):
+        self.buckets = Buckets(
+            num_slots=num_slots, max_len=max_len, min_len=min_bucket, mixed_rows=mixed_rows
+        )
         self._tokens = jnp.zeros(num_slots, jnp.int32)
 
     def warmup(self, shapes: list[PassShape]) -> None:

@@ -22,6 +22,7 @@ from jaxbatch.sched.state import (
     DECODE,
     FINISHED,
     IDLE,
+    MIXED,
     PREEMPTED,
     PREFILL,
     RUNNING,
@@ -246,6 +247,77 @@ def continuous_schedule(
     return grow_blocks(state, plan_prefill_first(state, _next_arrival(state)))
 
 
+def plan_budgeted(
+    state: SchedState,
+    wait_until: Array,
+    budget: int,
+    threshold: int,
+    max_prefills: int,
+    whole_prompts: bool,
+) -> Plan:
+    """Decodes first, then prompt tokens under a per-pass token budget (selective batching).
+
+    Every running request whose prompt is cached decodes one token. What is left of `budget` goes
+    to prompts (and recomputations) in admission order: `whole_prompts` (Orca) takes a prompt only
+    if all of it fits, stopping at the first that does not; otherwise (Sarathi-Serve chunked
+    prefill) each prompt takes a chunk of at most `threshold` tokens (0: no cap), and at most
+    `max_prefills` prompts (0: any number) are fed in one pass.
+    """  # fmt: skip
+    req = state.slot_req
+    r = jnp.maximum(req, 0)
+    running = (req >= 0) & (state.status[r] == RUNNING)
+    todo = state.prompt_len[r] + state.num_generated[r] - state.num_computed[r]
+    prefilling = running & (state.num_computed[r] < state.prompt_len[r])
+    decoding = running & ~prefilling
+    left = budget - decoding.sum()
+    order = jnp.argsort(jnp.where(prefilling, state.admit_order[r], 2**30), stable=True)
+    want = todo[order]
+    if not whole_prompts and threshold:
+        want = jnp.minimum(want, threshold)
+    want = jnp.where(prefilling[order], want, 0)
+    if max_prefills:
+        want = jnp.where(jnp.arange(want.shape[0]) < max_prefills, want, 0)
+    before = jnp.cumsum(want) - want
+    if whole_prompts:
+        fits = jnp.cumsum(want) <= left
+        take = jnp.where(jnp.cumprod(fits) > 0, want, 0)  # stop at the first that does not fit
+    else:
+        take = jnp.clip(left - before, 0, want)
+    chunk = jnp.zeros_like(todo).at[order].set(take)
+    num_tokens = jnp.where(decoding, 1, chunk).astype(jnp.int32)
+    fed = num_tokens > 0
+    kind = jnp.where(
+        (chunk > 0).any(), MIXED, jnp.where(fed.any(), DECODE, IDLE)
+    )  # fmt: skip
+    return Plan(
+        req=jnp.where(fed, req, -1),
+        num_tokens=num_tokens,
+        start_pos=jnp.where(fed, state.num_computed[r], 0).astype(jnp.int32),
+        kind=kind.astype(jnp.int32),
+        wait_until=jnp.where(kind == IDLE, wait_until, state.now).astype(jnp.float32),
+        block_table=state.block_table,
+    )
+
+
+def budgeted_schedule(
+    state: SchedState,
+    params: PolicyParams,
+    queue: str = "fcfs",
+    token_budget: int = 512,
+    threshold: int = 0,
+    max_prefills: int = 0,
+    whole_prompts: bool = False,
+) -> tuple[SchedState, Plan]:
+    """Iteration-level batching with mixed passes under a token budget (orca and chunked)."""
+    occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
+    state = release(state, (state.slot_req >= 0) & occupant_done)
+    state = admit(state, state.num_slots, params, queue)
+    plan = plan_budgeted(
+        state, _next_arrival(state), token_budget, threshold, max_prefills, whole_prompts
+    )
+    return grow_blocks(state, plan)
+
+
 def commit(state: SchedState, plan: Plan, tokens: Array, params: PolicyParams) -> SchedState:
     """Apply a pass: its tokens enter the cache; a slot whose known tokens are now all cached emits
     one output token (tokens [B]); a request ends at its output budget or, if honoured, at EOS."""
@@ -269,10 +341,17 @@ def commit(state: SchedState, plan: Plan, tokens: Array, params: PolicyParams) -
 POLICIES: dict[str, Callable[[SchedState, PolicyParams], tuple[SchedState, Plan]]] = {
     "static": static_schedule,
     "continuous": continuous_schedule,
+    "orca": partial(budgeted_schedule, whole_prompts=True),
+    "chunked": budgeted_schedule,
 }
+BUDGETED = ("orca", "chunked")
 
 
 @cache
-def make_policy(name: str, queue: str = "fcfs") -> Policy:
-    """The policy `name` admitting in `queue` order; one object per pair, so jit caches hold."""
-    return Policy(name=name, schedule=partial(POLICIES[name], queue=queue), commit=commit)
+def make_policy(name: str, queue: str = "fcfs", **options) -> Policy:
+    """The policy `name` admitting in `queue` order, with static options (token_budget,
+    threshold, max_prefills for orca and chunked). One object per set of arguments, so jit caches
+    hold across runs."""
+    return Policy(
+        name=name, schedule=partial(POLICIES[name], queue=queue, **options), commit=commit
+    )
