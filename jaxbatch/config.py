@@ -79,7 +79,8 @@ class WorkloadConfig:
     path: str = ""  # trace CSV (Azure schema)
     limit: int = 0  # trace rows to keep, 0 = all
     time_scale: float = 1.0  # multiplies trace arrival times
-    length_scale: float = 1.0  # multiplies trace prompt and output lengths
+    length_scale: float = 1.0  # multiplies trace prompt lengths (and outputs, unless output_scale)
+    output_scale: float = 0.0  # multiplies trace output lengths; 0: use length_scale
 
 
 @dataclass
@@ -179,6 +180,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError("workload.limit", w.limit, "must be >= 0 (0 keeps every row)")
         _positive("workload.time_scale", w.time_scale)
         _positive("workload.length_scale", w.length_scale)
+        if w.output_scale < 0:
+            raise ConfigError(
+                "workload.output_scale", w.output_scale, "must be >= 0 (0: length_scale)"
+            )
     _one_of("engine.backend", e.backend, BACKENDS)
     _positive("engine.num_slots", e.num_slots)
     _one_of("engine.clock", e.clock, CLOCKS)

@@ -94,12 +94,17 @@ def arrivals(process: str, n: int, rate: float, burstiness: float, rng) -> np.nd
 
 
 def read_trace(
-    path: str | Path, limit: int = 0, time_scale: float = 1.0, length_scale: float = 1.0
+    path: str | Path,
+    limit: int = 0,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    output_scale: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Azure-schema CSV (TIMESTAMP, ContextTokens, GeneratedTokens) -> arrival, prompt, output.
 
     Arrivals are seconds after the first row, times time_scale; lengths are scaled by
-    length_scale and kept at least 1. `limit` > 0 keeps the first `limit` rows.
+    length_scale (outputs by output_scale when it is not 0) and kept at least 1. `limit` > 0 keeps
+    the first `limit` rows.
     """
     path = Path(path)
     if not path.is_file():
@@ -124,8 +129,8 @@ def read_trace(
     if np.any(np.diff(arrival) < 0):
         line = int(np.argmax(np.diff(arrival) < 0)) + 3
         raise WorkloadError(f"{path}:{line}: TIMESTAMP goes back in time")
-    scale = lambda x: np.maximum(1, np.round(np.array(x) * length_scale)).astype(np.int64)  # noqa: E731
-    return arrival, scale(prompt), scale(output)
+    scale = lambda x, k: np.maximum(1, np.round(np.array(x) * k)).astype(np.int64)  # noqa: E731
+    return arrival, scale(prompt, length_scale), scale(output, output_scale or length_scale)
 
 
 def _parse_time(row: list[str], path: Path, line: int) -> float:
@@ -155,7 +160,9 @@ def from_config(cfg, base_dir: Path | None = None) -> Workload:
         path = Path(cfg.path)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        arrival, prompt, output = read_trace(path, cfg.limit, cfg.time_scale, cfg.length_scale)
+        arrival, prompt, output = read_trace(
+            path, cfg.limit, cfg.time_scale, cfg.length_scale, cfg.output_scale
+        )
         return Workload(arrival=arrival, prompt_len=prompt, max_new=output, seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_requests
