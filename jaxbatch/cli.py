@@ -65,6 +65,12 @@ def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]
         )  # fmt: skip
     for i in np.flatnonzero(fits_model & (need > memory.capacity_tokens)):
         reasons[i] = f"needs {need[i]} KV positions, the budget holds {memory.capacity_tokens}"
+    if cfg.policy.name == "orca":  # orca never splits a prompt: one over the budget never runs
+        budget = cfg.policy.token_budget
+        for i in np.flatnonzero(workload.prompt_len > budget):
+            reasons[i] = reasons[i] or (
+                f"prompt_len {workload.prompt_len[i]} > orca's policy.token_budget {budget}"
+            )
     return reasons
 
 

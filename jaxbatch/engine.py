@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.buckets import PassShape, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import IDLE, REJECTED, Plan, SchedState
+from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, Plan, SchedState
 
 
 class Backend(Protocol):
@@ -160,6 +160,12 @@ def run(
     wall_s = time.perf_counter() - loop_start
     bar.close()
     final = jax.device_get(state)
+    stuck = np.flatnonzero((final.status != FINISHED) & (final.status != REJECTED))
+    if len(stuck):  # a policy that leaves requests unserved is a bug: never report it as a run
+        raise RuntimeError(
+            f"{policy.name}: the run ended with {len(stuck)} requests neither finished nor "
+            f"rejected (ids {stuck[:10].tolist()}...): the policy can never schedule them"
+        )
     return RunResult(
         record=recorder.finish(state.num_slots),
         final=final,

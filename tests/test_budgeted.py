@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,3 +83,21 @@ def test_chunked_and_orca_tokens_equal_continuous():
     for policy in ("orca", "chunked"):
         for a, b in zip(outs[policy], outs["continuous"]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_orca_rejects_a_prompt_over_its_budget_and_serves_the_rest():
+    w = make_workload([30, 100, 20], [4, 4, 4])
+    cfg = make_config("orca", num_slots=2, clock="passes", warmup=False, backend="simulator")
+    cfg.policy.token_budget = 64
+    res = run_config(cfg, w)
+    np.testing.assert_array_equal(np.asarray(res.final.status), [FINISHED, 4, FINISHED])
+
+
+def test_a_policy_that_strands_requests_fails_loudly():
+    # Orca called directly with a prompt over its budget: it never runs, nor (FCFS) does the
+    # request queued behind it.
+    state = init_state(np.zeros(2), np.array([100, 5]), np.full(2, 3), np.zeros(2, bool), 2)
+    sim = Simulator(2, 1024)
+    policy = make_policy("orca", token_budget=64)
+    with pytest.raises(RuntimeError, match=r"orca: the run ended with 2 requests neither"):
+        run(policy, PolicyParams(), state, sim, [], clock="passes")
