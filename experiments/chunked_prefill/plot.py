@@ -22,10 +22,8 @@ def main() -> None:
         for row in csv.DictReader((sweep / "summary.csv").open()):
             opts = dict(o.split("=", 1) for o in row["overrides"].split())
             label = opts["policy"]
-            if "policy.token_budget" in opts:
+            if "policy.token_budget" in opts and label != "continuous":
                 label += f" {opts['policy.token_budget']}"
-            elif label == "orca":
-                label += " 512"
             rows.append((label, row))
     print(f"{'run':>14} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} (ms)")
     for label, r in rows:
