@@ -1,0 +1,147 @@
+"""The fused loop: a whole offline run (schedule, mixed pass, commit, recording) as one
+`jax.lax.while_loop` on the device, with no host round trip per pass.
+
+A pass with prompt tokens runs the runner's mixed pass (the token budget's rows), one without the
+all-slot decode; `lax.switch` picks the compiled branch of the pass's context bucket, so the loop
+reads no more context than the host loop. Only the token-budget policies (orca, chunked) fit.
+The clock inside counts passes; the host times the whole loop. Results come back once, at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.backend.buckets import PassShape, num_compiles
+from jaxbatch.backend.runner import Runner, _pass
+from jaxbatch.engine import kv_reserved
+from jaxbatch.report.recorder import Record
+from jaxbatch.sched.policies import Policy, PolicyParams
+from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, Plan, SchedState
+
+
+@dataclass(frozen=True)
+class FusedResult:
+    record: Record  # start and duration in passes
+    final: SchedState
+    outputs: list[np.ndarray]
+    wall_s: float  # the whole compiled loop, compile excluded
+    compile_s: float
+    num_compiles: int
+
+
+def flatten(plan: Plan, rows: int, num_slots: int):
+    """jnp twin of Runner._flatten: one row per fed token, slots in order, padded to `rows`."""
+    k = plan.num_tokens
+    ends = jnp.cumsum(k)
+    first = ends - k
+    r = jnp.arange(rows)
+    valid = r < ends[-1]
+    slot = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_slots - 1)
+    row_slot = jnp.where(valid, slot, num_slots).astype(jnp.int32)
+    row_req = jnp.where(valid, plan.req[slot], 0).astype(jnp.int32)
+    row_start = jnp.where(valid, plan.start_pos[slot] + r - first[slot], 0).astype(jnp.int32)
+    row_last = valid & (r == ends[slot] - 1)
+    return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, plan.block_table[slot]
+
+
+def run_fused(
+    policy: Policy, params: PolicyParams, state: SchedState, runner: Runner, max_passes: int
+) -> FusedResult:
+    b = state.num_slots
+    rows = runner.buckets.mixed_rows
+    longest = int(np.max(np.asarray(state.prompt_len + state.max_new)))
+    contexts = sorted({runner.buckets.decode(n).context for n in range(1, longest + 1)})
+
+    def body(carry):
+        st, cache, buf, p, rec = carry
+        st, plan = policy.schedule(st.replace(now=p.astype(jnp.float32)), params)
+        common = dict(spec=runner.spec, sampling=runner.sampling, num_slots=b, with_logits=False)
+
+        def mixed(context):
+            def run(cache, buf):
+                flat = flatten(plan, rows, b)
+                return _pass(
+                    runner.params, cache, buf, runner.prompt_len, runner.request_ids, *flat,
+                    shape=PassShape(rows, 1, context), **common,
+                )[:3]  # fmt: skip
+
+            return run
+
+        def decode(decode_shape):  # a pass with no prompt tokens: the cheap all-slot decode
+            def run(cache, buf):
+                return _pass(
+                    runner.params, cache, buf, runner.prompt_len, runner.request_ids,
+                    jnp.arange(b, dtype=jnp.int32), plan.req, plan.start_pos, plan.num_tokens,
+                    plan.num_tokens > 0, plan.block_table, shape=decode_shape, **common,
+                )[:3]  # fmt: skip
+
+            return run
+
+        # One branch per pass kind and context bucket, as the host loop's buckets: the pass reads
+        # only as much context as its longest row needs.
+        max_end = jnp.max(jnp.where(plan.num_tokens > 0, plan.start_pos + plan.num_tokens, 0))
+        bucket = jnp.searchsorted(jnp.array(contexts), max_end, side="left")
+        branch = jnp.where(plan.kind == MIXED, bucket, len(contexts) + bucket)
+        branches = [mixed(c) for c in contexts]
+        branches += [decode(runner.buckets.decode(c)) for c in contexts]
+        cache, buf, tokens = jax.lax.switch(branch, branches, cache, buf)
+        holder = st.slot_req
+        st = policy.commit(st, plan, tokens, params)
+        kv = jnp.where(holder >= 0, st.num_computed[jnp.maximum(holder, 0)], 0).sum()
+        granted = kv_reserved(st)
+        rec = {
+            "req": rec["req"].at[p].set(plan.req), "num_tokens": rec["num_tokens"].at[p].set(
+                plan.num_tokens), "start_pos": rec["start_pos"].at[p].set(plan.start_pos),
+            "holder": rec["holder"].at[p].set(holder), "kv": rec["kv"].at[p].set(kv),
+            "granted": rec["granted"].at[p].set(granted), "kind": rec["kind"].at[p].set(plan.kind),
+        }  # fmt: skip
+        return st, cache, buf, p + 1, rec
+
+    def cond(carry):
+        st, _, _, p, _ = carry
+        live = (st.status != FINISHED) & (st.status != REJECTED)
+        return live.any() & (p < max_passes)
+
+    def loop(st, cache, buf):
+        grid = jnp.full((max_passes, b), -1, jnp.int32)
+        rec = {"req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
+               "kv": jnp.zeros(max_passes, jnp.int32),
+               "granted": jnp.zeros(max_passes, jnp.int32),
+               "kind": jnp.zeros(max_passes, jnp.int32)}  # fmt: skip
+        return jax.lax.while_loop(cond, body, (st, cache, buf, jnp.int32(0), rec))
+
+    compiles0, t0 = num_compiles(), time.perf_counter()
+    compiled = jax.jit(loop, donate_argnums=(1, 2)).lower(state, runner.cache, runner.token_buf)
+    compiled = compiled.compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    st, runner.cache, runner.token_buf, p, rec = jax.block_until_ready(
+        compiled(state, runner.cache, runner.token_buf)
+    )
+    wall_s = time.perf_counter() - t0
+    final, p, rec = jax.device_get((st, p, rec))
+    p = int(p)
+    if p == max_passes and ((final.status != FINISHED) & (final.status != REJECTED)).any():
+        raise RuntimeError(f"the fused loop did not end within max_passes={max_passes}")
+    req, num_tokens, start_pos = rec["req"][:p], rec["num_tokens"][:p], rec["start_pos"][:p]
+    ends = start_pos + num_tokens
+    emits = (num_tokens > 0) & (ends >= np.asarray(final.prompt_len)[np.maximum(req, 0)])
+    record = Record(
+        start=np.arange(p, dtype=np.float64), duration=np.ones(p), kind=np.full(p, MIXED),
+        req=req, num_tokens=num_tokens, start_pos=start_pos, holder=rec["holder"][:p],
+        emits=emits, computed_tokens=np.full(p, rows), kv_tokens=rec["kv"][:p],
+        kv_reserved=rec["granted"][:p],
+    )  # fmt: skip
+    return FusedResult(
+        record=record,
+        final=final,
+        outputs=runner.outputs(np.asarray(final.num_generated)),
+        wall_s=wall_s,
+        compile_s=compile_s,
+        num_compiles=num_compiles() - compiles0,
+    )
