@@ -15,6 +15,10 @@ from jax import Array
 from jaxbatch.model.spec import ModelSpec
 
 
+def _put(layers: tuple[Array, ...], layer: int, value: Array) -> tuple[Array, ...]:
+    return layers[:layer] + (value,) + layers[layer + 1 :]
+
+
 @struct.dataclass
 class CacheIndex:
     """Where the rows of a pass live in the cache. Shapes: rows N, tokens per row T."""
@@ -55,10 +59,7 @@ class SlotCache:
         else:
             k_ctx = k_layer.at[index.slots, :ctx_len].get(mode="clip")
             v_ctx = v_layer.at[index.slots, :ctx_len].get(mode="clip")
-        cache = SlotCache(
-            k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
-            v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :],
-        )
+        cache = self.replace(k=_put(self.k, layer, k_layer), v=_put(self.v, layer, v_layer))
         return cache, k_ctx, v_ctx
 
 
@@ -97,10 +98,7 @@ class PagedCache:
             ctx = layer_cache.at[blocks].get(mode="clip")  # [N, n_read, bs, H, D]
             return ctx.reshape(ctx.shape[0], n_read * bs, *ctx.shape[3:])[:, :ctx_len]
 
-        cache = PagedCache(
-            k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
-            v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :],
-        )
+        cache = self.replace(k=_put(self.k, layer, k_layer), v=_put(self.v, layer, v_layer))
         return cache, gather(k_layer), gather(v_layer)
 
 
