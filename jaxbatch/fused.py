@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import PassShape, num_compiles
-from jaxbatch.backend.runner import Runner, _pass
+from jaxbatch.backend.runner import PassOut, Runner, _forward, store_tokens
 from jaxbatch.engine import kv_reserved
 from jaxbatch.report.recorder import Record
 from jaxbatch.sched.policies import Policy, PolicyParams
@@ -49,6 +50,12 @@ def flatten(plan: Plan, rows: int, num_slots: int):
     return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, plan.block_table[slot]
 
 
+def _pad_rows(x, width: int):
+    """Pad a per-row array to `width` rows: padding rows are invalid (False, 0) or out of range."""
+    pad = [(0, width - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad, constant_values=jnp.iinfo(jnp.int32).max if x.dtype == jnp.int32 else 0)
+
+
 def run_fused(
     policy: Policy, params: PolicyParams, state: SchedState, runner: Runner, max_passes: int
 ) -> FusedResult:
@@ -56,42 +63,49 @@ def run_fused(
     rows = runner.buckets.mixed_rows
     longest = int(np.max(np.asarray(state.prompt_len + state.max_new)))
     contexts = sorted({runner.buckets.decode(n).context for n in range(1, longest + 1)})
+    width = max(rows, b)  # every branch's rows, padded to one shape for lax.switch
 
     def body(carry):
         st, cache, buf, p, rec = carry
         st, plan = policy.schedule(st.replace(now=p.astype(jnp.float32)), params)
-        common = dict(spec=runner.spec, sampling=runner.sampling, num_slots=b, with_logits=False)
+        common = dict(
+            spec=runner.spec, sampling=runner.sampling, num_slots=b, with_logits=False, write=False
+        )
+        args = (runner.params, cache, buf, runner.prompt_len, runner.request_ids)
 
-        def mixed(context):
-            def run(cache, buf):
-                flat = flatten(plan, rows, b)
-                return _pass(
-                    runner.params, cache, buf, runner.prompt_len, runner.request_ids, *flat,
-                    shape=PassShape(rows, 1, context), **common,
-                )[:3]  # fmt: skip
+        def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
+            def run():
+                shape = PassShape(rows, 1, context)
+                return _padded(_forward(*args, *flatten(plan, rows, b), shape=shape, **common))
+
+            return run
+
+        def decode(shape):  # no prompt tokens: the cheaper all-slot decode
+            def run():
+                return _padded(_forward(
+                    *args, jnp.arange(b, dtype=jnp.int32), plan.req, plan.start_pos,
+                    plan.num_tokens, plan.num_tokens > 0, plan.block_table, shape=shape, **common,
+                ))  # fmt: skip
 
             return run
 
-        def decode(decode_shape):  # a pass with no prompt tokens: the cheap all-slot decode
-            def run(cache, buf):
-                return _pass(
-                    runner.params, cache, buf, runner.prompt_len, runner.request_ids,
-                    jnp.arange(b, dtype=jnp.int32), plan.req, plan.start_pos, plan.num_tokens,
-                    plan.num_tokens > 0, plan.block_table, shape=decode_shape, **common,
-                )[:3]  # fmt: skip
-
-            return run
+        def _padded(forward) -> PassOut:  # each slot's token is [b] in every branch
+            _, out = forward
+            rows_of = out.replace(index=out.index.replace(slots=out.index.row_slots), tokens=None)
+            return jax.tree.map(partial(_pad_rows, width=width), rows_of).replace(tokens=out.tokens)
 
         # One branch per pass kind and context bucket, as the host loop's buckets: the pass reads
-        # only as much context as its longest row needs.
+        # only as much context as its longest row needs. The branches only read the cache; it is
+        # written once below, in place (a branch that wrote it would make XLA copy the cache).
         max_end = jnp.max(jnp.where(plan.num_tokens > 0, plan.start_pos + plan.num_tokens, 0))
         bucket = jnp.searchsorted(jnp.array(contexts), max_end, side="left")
         branch = jnp.where(plan.kind == MIXED, bucket, len(contexts) + bucket)
         branches = [mixed(c) for c in contexts]
         branches += [decode(runner.buckets.decode(c)) for c in contexts]
-        cache, buf, tokens = jax.lax.switch(branch, branches, cache, buf)
+        out = jax.lax.switch(branch, branches)
+        cache, buf = cache.write(out.ks, out.vs, out.index), store_tokens(buf, out)
         holder = st.slot_req
-        st = policy.commit(st, plan, tokens, params)
+        st = policy.commit(st, plan, out.tokens, params)
         kv = jnp.where(holder >= 0, st.num_computed[jnp.maximum(holder, 0)], 0).sum()
         granted = kv_reserved(st)
         rec = {

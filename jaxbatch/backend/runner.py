@@ -1,8 +1,9 @@
 """Real execution of a plan: one jitted, shape-bucketed pass of the Flax model per plan.
 
-Prefill and decode are the same function at different static shapes (rows x tokens, context read):
-each row feeds its slot's tokens at their positions, writes their KV, and samples one token from its
-last position. Parameters, cache and the token buffer are explicit arguments; the cache and token
+Prefill, decode and mixed passes are the same function at different static shapes (rows x tokens,
+context read): each row feeds its slot's tokens at their positions, attends to its slot's cached
+context and this pass's own tokens, and samples one token from its last position; the pass's KV is
+written at its end. Parameters, cache and the token buffer are explicit arguments; the cache and token
 buffer are donated. This module never decides what runs: the plan does.
 """
 
@@ -14,6 +15,7 @@ from functools import cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax import Array
 
 from jaxbatch.backend.buckets import Buckets, PassShape
@@ -56,14 +58,30 @@ def sample(logits: Array, req: Array, pos: Array, sampling: Sampling) -> Array:
     return jax.vmap(draw)(scaled, req, pos).astype(jnp.int32)
 
 
-def _pass(
+@struct.dataclass
+class PassOut:
+    """What a pass computed, before anything is stored: its rows' K/V per layer (where the index
+    says), each row's drawn token and where it goes in the token buffer, each slot's token."""
+
+    ks: tuple[Array, ...]  # per layer [N, T, kv_heads, head_dim]
+    vs: tuple[Array, ...]
+    index: CacheIndex
+    emit_req: Array  # [N] the request a row's drawn token belongs to; out of range: none
+    next_pos: Array  # [N] that token's position
+    drawn: Array  # [N]
+    tokens: Array  # [num_slots] each slot's drawn token, -1 where none
+    logits: Array | None  # [num_slots, vocab] with `with_logits`
+
+
+def _forward(
     params, cache, token_buf, prompt_len, request_ids, row_slot, row_req, row_start, row_len,
     row_last, row_table, *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int,
-    with_logits: bool,
-):  # fmt: skip
+    with_logits: bool, write: bool = True,
+) -> tuple[SlotCache | PagedCache, PassOut]:  # fmt: skip
     """One forward pass over `shape.rows` rows of `shape.tokens` tokens each. A slot's tokens may
     span several rows (the mixed pass: one token per row); only its last row (`row_last`) samples
-    the slot's next token."""
+    the slot's next token. With `write` the returned cache holds the pass's K/V; without, it is the
+    cache as given, only read, and the caller stores `PassOut`'s K/V (`cache.write`)."""
     t = jnp.arange(shape.tokens)
     positions = row_start[:, None] + t
     valid = t < row_len[:, None]
@@ -71,23 +89,33 @@ def _pass(
     table = row_table if isinstance(cache, PagedCache) else None
     slots = None if shape.all_slots else row_slot
     index = CacheIndex(slots=slots, positions=positions, valid=valid, block_table=table)
-    logits, cache = Transformer(spec).apply(
+    logits, (ks, vs), cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
-        logit_index=jnp.maximum(row_len - 1, 0),
+        logit_index=jnp.maximum(row_len - 1, 0), write=write,
     )  # fmt: skip
     next_pos = row_start + row_len
     drawn = sample(logits, request_ids.at[row_req].get(mode="clip"), next_pos, sampling)
     # Only a row whose known tokens are all cached has drawn a real output token.
     emits = row_last & (row_len > 0) & (next_pos >= prompt_len.at[row_req].get(mode="clip"))
-    n = token_buf.shape[0]
-    token_buf = token_buf.at[jnp.where(emits, row_req, n), next_pos].set(drawn, mode="drop")
     out_slot = jnp.where(row_last, row_slot, num_slots)
     out_tokens = jnp.full((num_slots,), -1, jnp.int32).at[out_slot].set(drawn, mode="drop")
     out_logits = None
     if with_logits:
         out_logits = jnp.zeros((num_slots, spec.vocab_size), jnp.float32)
         out_logits = out_logits.at[out_slot].set(logits, mode="drop")
-    return cache, token_buf, out_tokens, out_logits
+    emit_req = jnp.where(emits, row_req, token_buf.shape[0])
+    return cache, PassOut(ks, vs, index, emit_req, next_pos, drawn, out_tokens, out_logits)
+
+
+def store_tokens(token_buf: Array, out: PassOut) -> Array:
+    """The token buffer with a pass's emitted tokens written in."""
+    return token_buf.at[out.emit_req, out.next_pos].set(out.drawn, mode="drop")
+
+
+def _pass(params, cache, token_buf, *args, **static):
+    """A whole pass, writing its K/V as it goes. Returns cache, token buffer, slot tokens, logits."""
+    cache, out = _forward(params, cache, token_buf, *args, **static)
+    return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 
 @cache

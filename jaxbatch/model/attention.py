@@ -1,12 +1,12 @@
-"""Grouped-query attention with position masking, over new tokens or a cache's context.
+"""Grouped-query attention with position masking, over one or several sets of keys.
 
-One rule serves every pass: a query at position p sees the keys at positions <= p. Prefill, decode
-and (later) prompt chunks differ only in which keys they read. Never allocate or schedule here.
+One rule serves every pass: a query at position p sees the keys at positions <= p of its own
+sequence. A cached pass attends over two sets with one softmax: the context its slot cached in
+earlier passes (read-only) and the keys this pass computes itself. Never allocate or schedule here.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import Array
 
@@ -25,27 +25,47 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
     return out.astype(x.dtype)
 
 
-def attend(q: Array, k: Array, v: Array, q_pos: Array, kv_pos: Array) -> Array:
-    """Causal GQA. q: [N, T, H, D]; k, v: [N, C, Hkv, D]; q_pos: [N, T]; kv_pos: [N, C].
+def _scores(qg: Array, k: Array) -> Array:
+    """qg [N, T, Hkv, G, D], k [N, C, Hkv, D] -> scores [N, Hkv, G, T, C]."""
+    k32 = k.astype(jnp.float32)
+    if qg.shape[1] == 1:
+        # One query per row (decode): a fused multiply-reduce reads K once, where a batched dot
+        # of these shapes is several times slower on CPU.
+        s = (qg[:, 0][:, None] * k32[:, :, :, None, :]).sum(-1)  # [N, C, Hkv, G]
+        return s.transpose(0, 2, 3, 1)[:, :, :, None, :]
+    return jnp.einsum("ntkgd,nckd->nkgtc", qg, k32)
 
-    Returns [N, T, H, D]. Keys with kv_pos > q_pos are masked out.
-    """
+
+def _weighted(p: Array, v: Array) -> Array:
+    """p [N, Hkv, G, T, C], v [N, C, Hkv, D] -> [N, T, Hkv, G, D]."""
+    v32 = v.astype(jnp.float32)
+    if p.shape[3] == 1:
+        p_ncg = p[:, :, :, 0, :].transpose(0, 3, 1, 2)  # [N, C, Hkv, G]
+        return (p_ncg[..., None] * v32[:, :, :, None, :]).sum(1)[:, None]
+    return jnp.einsum("nkgtc,nckd->ntkgd", p, v32)
+
+
+def attend(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+    """Causal GQA over key sets sharing one softmax. q: [N, T, H, D]; each part is
+    (k [N, C, Hkv, D], v [N, C, Hkv, D], visible [N, T, C] bool). Returns [N, T, H, D].
+
+    A row that sees no key at all (padding) gets a finite, meaningless output."""
     n, t, h, d = q.shape
-    hkv = k.shape[2]
+    hkv = parts[0][0].shape[2]
     qg = q.reshape(n, t, hkv, h // hkv, d).astype(jnp.float32)
-    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    if t == 1:
-        # One query per row (decode): a fused multiply-reduce reads K and V once, where a batched
-        # dot of these shapes is several times slower on CPU.
-        scores = (qg[:, 0][:, None] * k32[:, :, :, None, :]).sum(-1)  # [n, c, k, g]
-        scores = scores.transpose(0, 2, 3, 1)[:, :, :, None, :] / jnp.sqrt(d)
-    else:
-        scores = jnp.einsum("ntkgd,nckd->nkgtc", qg, k32) / jnp.sqrt(d)
-    mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
-    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
-    if t == 1:
-        p_nckg = probs[:, :, :, 0, :].transpose(0, 3, 1, 2)
-        out = (p_nckg[..., None] * v32[:, :, :, None, :]).sum(1)[:, None]  # [n, 1, k, g, d]
-    else:
-        out = jnp.einsum("nkgtc,nckd->ntkgd", probs, v32)
+    scores = [
+        jnp.where(seen[:, None, None], _scores(qg, k) / jnp.sqrt(d), _MASKED)
+        for k, _, seen in parts
+    ]
+    top = scores[0].max(-1, keepdims=True)
+    for s in scores[1:]:
+        top = jnp.maximum(top, s.max(-1, keepdims=True))
+    weights = [jnp.exp(s - top) for s in scores]
+    total = sum(w.sum(-1, keepdims=True) for w in weights)
+    out = sum(_weighted(w / total, v) for w, (_, v, _) in zip(weights, parts))
     return out.reshape(n, t, h, d).astype(q.dtype)
+
+
+def causal(q_pos: Array, kv_pos: Array) -> Array:
+    """q_pos [N, T], kv_pos [N, C] -> visible [N, T, C]: keys at or before each query."""
+    return kv_pos[:, None, :] <= q_pos[:, :, None]

@@ -3,7 +3,10 @@
 The slot layout keeps one `[num_slots, max_len, kv_heads, head_dim]` region per slot and layer; the
 paged layout keeps a pool of `[num_blocks, block_size, kv_heads, head_dim]` blocks per layer. A pass
 addresses either through a CacheIndex: each row's slot, token positions, real tokens and (paged) its
-block table. This module never decides what to write: the scheduler's plan does.
+block table. A pass attends over the context its slots cached before it plus its own new K/V, so it
+may write its K/V layer by layer as it goes (the host loop's passes: XLA updates the donated cache
+in place) or read the cache only and write everything at its end (the fused loop: a `lax.switch`
+branch that wrote the cache would make XLA copy all of it every pass). This module never decides what to write: the scheduler's plan does.
 """
 
 from __future__ import annotations
@@ -15,8 +18,19 @@ from jax import Array
 from jaxbatch.model.spec import ModelSpec
 
 
-def _put(layers: tuple[Array, ...], layer: int, value: Array) -> tuple[Array, ...]:
-    return layers[:layer] + (value,) + layers[layer + 1 :]
+def _put(cache, layer: int, scatter, k: Array, v: Array):
+    """The cache with one layer's K and V replaced by `scatter(old, new)`."""
+    ks, vs = list(cache.k), list(cache.v)
+    ks[layer] = scatter(ks[layer], k.astype(ks[layer].dtype))
+    vs[layer] = scatter(vs[layer], v.astype(vs[layer].dtype))
+    return cache.replace(k=tuple(ks), v=tuple(vs))
+
+
+def _write_all(cache, ks: tuple[Array, ...], vs: tuple[Array, ...], index: CacheIndex):
+    """Store a pass's K/V of every layer ([N, T, H, D] each) at its rows' positions."""
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        cache = cache.write_layer(layer, k, v, index)
+    return cache
 
 
 @struct.dataclass
@@ -27,6 +41,11 @@ class CacheIndex:
     positions: Array  # [N, T] int32; the position of each token in its sequence
     valid: Array  # [N, T] bool; False for padding tokens
     block_table: Array | None = None  # [N, max_blocks] i32 each row's blocks (paged layout)
+
+    @property
+    def row_slots(self) -> Array:
+        n = self.positions.shape[0]
+        return jnp.arange(n, dtype=jnp.int32) if self.slots is None else self.slots
 
 
 @struct.dataclass
@@ -44,23 +63,21 @@ class SlotCache:
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
-    def update_and_read(
-        self, layer: int, k_new: Array, v_new: Array, index: CacheIndex, ctx_len: int
-    ) -> tuple[SlotCache, Array, Array]:
-        """Write this pass's K/V of one layer, then read each row's first ctx_len positions."""
+    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
+        """Each row's first ctx_len cached positions of one layer: K, V [N, ctx_len, H, D]."""
+        if index.slots is None:  # every slot in order (decode): a slice XLA can fuse, no gather
+            return self.k[layer][:, :ctx_len], self.v[layer][:, :ctx_len]
+        k = self.k[layer].at[index.slots, :ctx_len].get(mode="clip")
+        return k, self.v[layer].at[index.slots, :ctx_len].get(mode="clip")
+
+    def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> SlotCache:
+        """Store one layer's K/V of a pass ([N, T, H, D]) at its rows' positions."""
         # Padding tokens go to an out-of-range position and are dropped, never overwriting a slot.
         pos = jnp.where(index.valid, index.positions, self.max_len)
-        slots = jnp.arange(pos.shape[0]) if index.slots is None else index.slots
-        rows = jnp.broadcast_to(slots[:, None], pos.shape)
-        k_layer = self.k[layer].at[rows, pos].set(k_new.astype(self.k[layer].dtype), mode="drop")
-        v_layer = self.v[layer].at[rows, pos].set(v_new.astype(self.v[layer].dtype), mode="drop")
-        if index.slots is None:  # every slot in order (decode): a slice XLA can fuse, no gather
-            k_ctx, v_ctx = k_layer[:, :ctx_len], v_layer[:, :ctx_len]
-        else:
-            k_ctx = k_layer.at[index.slots, :ctx_len].get(mode="clip")
-            v_ctx = v_layer.at[index.slots, :ctx_len].get(mode="clip")
-        cache = self.replace(k=_put(self.k, layer, k_layer), v=_put(self.v, layer, v_layer))
-        return cache, k_ctx, v_ctx
+        rows = jnp.broadcast_to(index.row_slots[:, None], pos.shape)
+        return _put(self, layer, lambda old, new: old.at[rows, pos].set(new, mode="drop"), k, v)
+
+    write = _write_all
 
 
 @struct.dataclass
@@ -75,31 +92,28 @@ class PagedCache:
     def block_size(self) -> int:
         return self.k[0].shape[1]
 
-    def update_and_read(
-        self, layer: int, k_new: Array, v_new: Array, index: CacheIndex, ctx_len: int
-    ) -> tuple[PagedCache, Array, Array]:
-        bs, num_blocks = self.block_size, self.k[0].shape[0]
-        table = index.block_table
-        logical = index.positions // bs
-        block = jnp.take_along_axis(table, jnp.minimum(logical, table.shape[1] - 1), axis=1)
-        # Padding tokens and unallocated entries (-1) go out of range and are dropped.
-        block = jnp.where(index.valid & (block >= 0), block, num_blocks)
-        offset = index.positions % bs
-        k_layer = (
-            self.k[layer].at[block, offset].set(k_new.astype(self.k[layer].dtype), mode="drop")
-        )
-        v_layer = (
-            self.v[layer].at[block, offset].set(v_new.astype(self.v[layer].dtype), mode="drop")
-        )
+    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
+        bs = self.block_size
         n_read = -(-ctx_len // bs)
-        blocks = table[:, :n_read]  # [N, n_read]; beyond a row's length they are masked anyway
+        blocks = index.block_table[:, :n_read]  # [N, n_read]; past a row's length: masked later
 
         def gather(layer_cache):
             ctx = layer_cache.at[blocks].get(mode="clip")  # [N, n_read, bs, H, D]
             return ctx.reshape(ctx.shape[0], n_read * bs, *ctx.shape[3:])[:, :ctx_len]
 
-        cache = self.replace(k=_put(self.k, layer, k_layer), v=_put(self.v, layer, v_layer))
-        return cache, gather(k_layer), gather(v_layer)
+        return gather(self.k[layer]), gather(self.v[layer])
+
+    def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> PagedCache:
+        bs, num_blocks = self.block_size, self.k[0].shape[0]
+        table = index.block_table
+        logical = jnp.minimum(index.positions // bs, table.shape[1] - 1)
+        block = jnp.take_along_axis(table, logical, axis=1)
+        # Padding tokens and unallocated entries (-1) go out of range and are dropped.
+        block = jnp.where(index.valid & (block >= 0), block, num_blocks)
+        offset = index.positions % bs
+        return _put(self, layer, lambda old, new: old.at[block, offset].set(new, mode="drop"), k, v)
+
+    write = _write_all
 
 
 def init_paged_cache(spec: ModelSpec, num_blocks: int, block_size: int) -> PagedCache:

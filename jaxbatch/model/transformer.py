@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxbatch.model.attention import attend, rope
+from jaxbatch.model.attention import attend, causal, rope
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 from jaxbatch.model.spec import ModelSpec
 
@@ -34,7 +34,7 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, cache, index, ctx_len):
+    def __call__(self, x, positions, cache, index, ctx_len, write):
         s, dt = self.spec, self.spec.jnp_dtype
 
         def dense(features, axis=-1, name=None):
@@ -47,20 +47,54 @@ class Block(nn.Module):
         k = rope(dense((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
         v = dense((s.n_kv_heads, s.head_dim), name="v")(h)
         if cache is None:
-            out = attend(q, k, v, positions, positions)
+            out = attend(q, [(k, v, causal(positions, positions))])
         else:
-            cache, k_ctx, v_ctx = cache.update_and_read(self.layer, k, v, index, ctx_len)
-            kv_pos = jnp.broadcast_to(jnp.arange(ctx_len), (x.shape[0], ctx_len))
-            out = attend(q, k_ctx, v_ctx, positions, kv_pos)
+            if write:  # the cached part below masks these positions: they come from this pass
+                cache = cache.write_layer(self.layer, k, v, index)
+            out = attend(q, [_cached(cache, self.layer, index, ctx_len), _this_pass(k, v, index)])
         x = x + dense(s.d_model, axis=(-2, -1), name="o")(out)
         h = RMSNorm(s.norm_eps, name="mlp_norm")(x)
         gate = nn.silu(dense(s.d_mlp, name="gate")(h))
         x = x + dense(s.d_model, name="down")(gate * dense(s.d_mlp, name="up")(h))
-        return x, cache
+        return x, (k, v), cache
+
+
+def _cached(cache, layer: int, index: CacheIndex, ctx_len: int):
+    """The context a row's slot cached before this pass: positions below the first one this pass
+    feeds for that slot (the rest of the region may hold stale K/V)."""
+    k_ctx, v_ctx = cache.read(layer, index, ctx_len)
+    if index.positions.shape[1] > 1:  # a row is its slot's only row (prefill)
+        first = index.positions[:, 0]
+    else:  # one token per row (decode, mixed): the slot's first row in this pass
+        same, pos = _same_slot(index), index.positions[:, 0]
+        first = jnp.where(same, pos[None, :], jnp.iinfo(jnp.int32).max).min(1)
+    seen = jnp.arange(ctx_len)[None, None, :] < first[:, None, None]
+    return k_ctx, v_ctx, jnp.broadcast_to(seen, (*index.positions.shape, ctx_len))
+
+
+def _this_pass(k: Array, v: Array, index: CacheIndex):
+    """The keys this pass computes: a prefill row's own tokens, or (one token per row) every row
+    of the same slot, each seen by the queries at or after its position."""
+    pos = index.positions
+    if pos.shape[1] > 1:
+        return k, v, causal(pos, pos) & index.valid[:, None, :]
+    n = pos.shape[0]
+    k_all = jnp.broadcast_to(k[None, :, 0], (n, *k[:, 0].shape))
+    v_all = jnp.broadcast_to(v[None, :, 0], (n, *v[:, 0].shape))
+    seen = _same_slot(index) & (pos[None, :, 0] <= pos[:, 0, None])
+    return k_all, v_all, seen[:, None, :]
+
+
+def _same_slot(index: CacheIndex) -> Array:
+    """[N, N]: row j is a real token of row i's slot."""
+    slots = index.row_slots
+    return (slots[:, None] == slots[None, :]) & index.valid[None, :, 0]
 
 
 class Transformer(nn.Module):
-    """tokens, positions: [N, T]. Returns logits [N, T, V], or [N, V] at `logit_index` per row."""
+    """tokens, positions: [N, T]. Returns logits [N, T, V] (or [N, V] at `logit_index` per row),
+    this pass's K and V per layer, and the cache: with `write`, updated layer by layer; without,
+    as given (the caller writes the K/V later with `cache.write`)."""
 
     spec: ModelSpec
 
@@ -73,18 +107,23 @@ class Transformer(nn.Module):
         index: CacheIndex | None = None,
         ctx_len: int = 0,
         logit_index: Array | None = None,
-    ) -> tuple[Array, SlotCache | PagedCache | None]:
+        write: bool = True,
+    ):
         s = self.spec
         x = nn.Embed(s.vocab_size, s.d_model, embedding_init=_init, name="embed")(tokens)
         x = x.astype(s.jnp_dtype)
+        new_kv = []
         for layer in range(s.n_layers):
-            x, cache = Block(s, layer, name=f"layer_{layer}")(x, positions, cache, index, ctx_len)
+            block = Block(s, layer, name=f"layer_{layer}")
+            x, kv, cache = block(x, positions, cache, index, ctx_len, write)
+            new_kv.append(kv)
         x = RMSNorm(s.norm_eps, name="final_norm")(x)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
         head = nn.Dense(s.vocab_size, use_bias=False, dtype=s.jnp_dtype, kernel_init=_init)
         logits = head(x).astype(jnp.float32)
-        return logits, cache
+        ks, vs = zip(*new_kv)
+        return logits, (ks, vs), cache
 
 
 def init_params(spec: ModelSpec, seed: int) -> dict:
@@ -96,5 +135,5 @@ def init_params(spec: ModelSpec, seed: int) -> dict:
 def full_forward(spec: ModelSpec, params: dict, tokens: Array) -> Array:
     """The uncached reference: logits [N, T, V] for whole sequences starting at position 0."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = Transformer(spec).apply({"params": params}, tokens, positions)
+    logits, _, _ = Transformer(spec).apply({"params": params}, tokens, positions)
     return logits
