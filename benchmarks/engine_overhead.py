@@ -40,7 +40,7 @@ def raw_loop(cfg, workload) -> float:
     for shape, start, length in calls:
         runner.cache, runner.token_buf, tokens, _ = fns[shape](
             runner.params, runner.cache, runner.token_buf, runner.prompt_len, runner.request_ids,
-            slots, slots, start, length, no_blocks,
+            slots, slots, start, length, length > 0, no_blocks,
         )  # fmt: skip
     jax.block_until_ready(tokens)
     return time.perf_counter() - t0

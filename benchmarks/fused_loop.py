@@ -21,9 +21,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--prompt", type=int, nargs=2, default=(16, 64))
+    ap.add_argument("--output", type=int, nargs=2, default=(16, 128))
     args = ap.parse_args()
-    lengths = LengthConfig(dist="uniform", low=16, high=64)
-    cfg = config("chunked", 8, 32, lengths, LengthConfig(dist="uniform", low=16, high=128))
+    prompt = LengthConfig(dist="uniform", low=args.prompt[0], high=args.prompt[1])
+    output = LengthConfig(dist="uniform", low=args.output[0], high=args.output[1])
+    cfg = config("chunked", args.slots, 32, prompt, output)
     cfg.policy.token_budget = args.budget
     w = from_config(cfg.workload)
     memory = memory_spec(cfg)
@@ -32,13 +36,13 @@ def main() -> None:
     for _ in range(args.repeats):
         res = simulate(cfg, w)
         host.append(res.record.emits.sum() / res.duration_s)
-        state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), 8,
+        state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), args.slots,
                            memory=memory)  # fmt: skip
         out = run_fused(policy, PolicyParams(), state, build_backend(cfg, w, memory), 4096)
         fused.append(out.record.emits.sum() / out.wall_s)
         same = all((a == b).all() for a, b in zip(out.outputs, res.outputs))
     print(
-        f"chunked, budget {args.budget}, 32 offline requests, 8 slots, {res.record.num_passes} passes"
+        f"chunked, budget {args.budget}, 32 offline requests, {args.slots} slots, {res.record.num_passes} passes"
     )
     print(f"host loop:  median {median(host):8.1f} tok/s")
     print(

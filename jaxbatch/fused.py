@@ -65,13 +65,13 @@ def run_fused(
     contexts = sorted({runner.buckets.decode(n).context for n in range(1, longest + 1)})
     width = max(rows, b)  # every branch's rows, padded to one shape for lax.switch
 
-    def body(carry):
+    def body(weights, carry):
         st, cache, buf, p, rec = carry
         st, plan = policy.schedule(st.replace(now=p.astype(jnp.float32)), params)
         common = dict(
             spec=runner.spec, sampling=runner.sampling, num_slots=b, with_logits=False, write=False
         )
-        args = (runner.params, cache, buf, runner.prompt_len, runner.request_ids)
+        args = (weights, cache, buf, runner.prompt_len, runner.request_ids)
 
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():
@@ -121,21 +121,23 @@ def run_fused(
         live = (st.status != FINISHED) & (st.status != REJECTED)
         return live.any() & (p < max_passes)
 
-    def loop(st, cache, buf):
+    def loop(weights, st, cache, buf):  # weights as an argument: closed over, they'd be constants
         grid = jnp.full((max_passes, b), -1, jnp.int32)
         rec = {"req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
                "kv": jnp.zeros(max_passes, jnp.int32),
                "granted": jnp.zeros(max_passes, jnp.int32),
                "kind": jnp.zeros(max_passes, jnp.int32)}  # fmt: skip
-        return jax.lax.while_loop(cond, body, (st, cache, buf, jnp.int32(0), rec))
+        return jax.lax.while_loop(cond, partial(body, weights), (st, cache, buf, jnp.int32(0), rec))
 
     compiles0, t0 = num_compiles(), time.perf_counter()
-    compiled = jax.jit(loop, donate_argnums=(1, 2)).lower(state, runner.cache, runner.token_buf)
+    compiled = jax.jit(loop, donate_argnums=(2, 3)).lower(
+        runner.params, state, runner.cache, runner.token_buf
+    )
     compiled = compiled.compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     st, runner.cache, runner.token_buf, p, rec = jax.block_until_ready(
-        compiled(state, runner.cache, runner.token_buf)
+        compiled(runner.params, state, runner.cache, runner.token_buf)
     )
     wall_s = time.perf_counter() - t0
     final, p, rec = jax.device_get((st, p, rec))
