@@ -1,54 +1,97 @@
 """The same offline workload through the host loop and the fused on-device loop (chunked policy,
 tiny model): prints output tokens/s of each (medians, interleaved) and their ratio. The fused
-loop's time excludes its compilation, as the host loop's excludes warm-up. Asserts nothing."""
+loop's time excludes its compilation, as the host loop's excludes warm-up.
+
+A third figure, `replay`, dispatches the host loop's recorded passes back to back with no
+schedule, commit or host sync: the time of the passes alone, the floor any loop could reach with
+these compiled passes. Asserts nothing.
+
+Defaults: a decode-heavy workload (short prompts, long outputs), where per-pass host overhead
+weighs most; `--prompt 64 128 --output 4 8` gives a prefill-heavy one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
 
+import jax
 import numpy as np
 from common import config, median
 
 from jaxbatch.cli import build_backend, memory_spec, policy_options, simulate
 from jaxbatch.config import LengthConfig
 from jaxbatch.fused import run_fused
+from jaxbatch.report.recorder import Record
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import init_state
+from jaxbatch.sched.state import Plan, init_state
 from jaxbatch.workload import from_config
+
+
+def replay(cfg, workload, memory, record: Record, max_blocks: int) -> float:
+    """Seconds to run the recorded passes back to back (slot layout: no block tables)."""
+    runner = build_backend(cfg, workload, memory)
+    b = cfg.engine.num_slots
+    plans = [
+        Plan(
+            req=record.req[p],
+            num_tokens=record.num_tokens[p],
+            start_pos=record.start_pos[p],
+            kind=np.int32(record.kind[p]),
+            wait_until=np.float32(0),
+            block_table=np.zeros((b, max_blocks), np.int32),
+        )  # fmt: skip
+        for p in range(record.num_passes)
+    ]
+    shapes = [runner.buckets.shape_of(plan) for plan in plans]
+    runner.warmup(sorted(set(shapes), key=str))
+    t0 = time.perf_counter()
+    for plan, shape in zip(plans, shapes):
+        tokens, _ = runner.execute(plan, shape)
+    jax.block_until_ready(tokens)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--prompt", type=int, nargs=2, default=(16, 64))
-    ap.add_argument("--output", type=int, nargs=2, default=(16, 128))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, nargs=2, default=(8, 32), help="uniform low high")
+    ap.add_argument("--output", type=int, nargs=2, default=(128, 256), help="uniform low high")
     args = ap.parse_args()
     prompt = LengthConfig(dist="uniform", low=args.prompt[0], high=args.prompt[1])
     output = LengthConfig(dist="uniform", low=args.output[0], high=args.output[1])
-    cfg = config("chunked", args.slots, 32, prompt, output)
+    cfg = config("chunked", args.slots, args.requests, prompt, output)
     cfg.policy.token_budget = args.budget
     w = from_config(cfg.workload)
     memory = memory_spec(cfg)
     policy = make_policy("chunked", "fcfs", **policy_options(cfg))
-    host, fused = [], []
+    host, fused, floor = [], [], []
     for _ in range(args.repeats):
         res = simulate(cfg, w)
-        host.append(res.record.emits.sum() / res.duration_s)
+        tokens = res.record.emits.sum()
+        host.append(tokens / res.duration_s)
         state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), args.slots,
                            memory=memory)  # fmt: skip
-        out = run_fused(policy, PolicyParams(), state, build_backend(cfg, w, memory), 4096)
+        out = run_fused(policy, PolicyParams(), state, build_backend(cfg, w, memory), 1 << 16)
         fused.append(out.record.emits.sum() / out.wall_s)
         same = all((a == b).all() for a, b in zip(out.outputs, res.outputs))
+        floor.append(tokens / replay(cfg, w, memory, res.record, state.block_table.shape[1]))
+    kinds = np.bincount(res.record.kind, minlength=4)
     print(
-        f"chunked, budget {args.budget}, 32 offline requests, {args.slots} slots, {res.record.num_passes} passes"
+        f"chunked, budget {args.budget}, {args.requests} offline requests, {args.slots} slots, "
+        f"prompts {args.prompt}, outputs {args.output}: {res.record.num_passes} passes "
+        f"({kinds[3]} mixed, {kinds[2]} decode)"
     )
     print(f"host loop:  median {median(host):8.1f} tok/s")
     print(
         f"fused loop: median {median(fused):8.1f} tok/s (compile {out.compile_s:.1f} s, excluded)"
     )
+    print(f"replay:     median {median(floor):8.1f} tok/s (the host's passes, back to back)")
     print(f"fused / host = {median(fused) / median(host):.2f}; identical tokens: {same}")
+    print(f"fused / replay = {median(fused) / median(floor):.2f}")
 
 
 if __name__ == "__main__":

@@ -73,10 +73,11 @@ def run_fused(
         )
         args = (weights, cache, buf, runner.prompt_len, runner.request_ids)
 
+        flat = flatten(plan, rows, b)
+
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():
-                shape = PassShape(rows, 1, context)
-                return _padded(_forward(*args, *flatten(plan, rows, b), shape=shape, **common))
+                return _padded(_forward(*args, *flat, shape=PassShape(rows, 1, context), **common))
 
             return run
 

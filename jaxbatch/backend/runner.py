@@ -2,9 +2,10 @@
 
 Prefill, decode and mixed passes are the same function at different static shapes (rows x tokens,
 context read): each row feeds its slot's tokens at their positions, attends to its slot's cached
-context and this pass's own tokens, and samples one token from its last position; the pass's KV is
-written at its end. Parameters, cache and the token buffer are explicit arguments; the cache and token
-buffer are donated. This module never decides what runs: the plan does.
+context and this pass's own tokens, and samples one token from its last position. A host pass
+writes its K/V layer by layer; the fused loop writes them after the pass (see `kvcache`).
+Parameters, cache and the token buffer are explicit arguments; the cache and token buffer are
+donated. This module never decides what runs: the plan does.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def store_tokens(token_buf: Array, out: PassOut) -> Array:
 
 
 def _pass(params, cache, token_buf, *args, **static):
-    """A whole pass, writing its K/V as it goes. Returns cache, token buffer, slot tokens, logits."""
+    """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits."""
     cache, out = _forward(params, cache, token_buf, *args, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 

@@ -6,7 +6,8 @@ addresses either through a CacheIndex: each row's slot, token positions, real to
 block table. A pass attends over the context its slots cached before it plus its own new K/V, so it
 may write its K/V layer by layer as it goes (the host loop's passes: XLA updates the donated cache
 in place) or read the cache only and write everything at its end (the fused loop: a `lax.switch`
-branch that wrote the cache would make XLA copy all of it every pass). This module never decides what to write: the scheduler's plan does.
+branch that wrote the cache would make XLA copy all of it every pass). This module never decides
+what to write: the scheduler's plan does.
 """
 
 from __future__ import annotations
