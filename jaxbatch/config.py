@@ -16,6 +16,7 @@ POLICY_NAMES = ("static", "continuous", "orca", "chunked")
 MODEL_NAMES = ("tiny", "custom")
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes")
+LOOPS = ("host", "fused")
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,9 @@ class EngineConfig:
     eos_id: int = -1  # -1: ignore EOS, as trace replay requires
     min_bucket: int = 16
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
+    # host: one Python iteration per pass. fused: the whole run as one compiled lax.while_loop
+    # (offline workloads, orca and chunked, runner backend); its passes are timed as a whole.
+    loop: str = "host"
 
 
 @dataclass
@@ -194,6 +198,20 @@ def validate(cfg: Config) -> None:
     if not 0 <= e.top_k <= m.vocab_size:
         raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
     _positive("engine.min_bucket", e.min_bucket)
+    _one_of("engine.loop", e.loop, LOOPS)
+    if e.loop == "fused":
+        if p.name not in ("orca", "chunked"):
+            raise ConfigError(
+                "engine.loop", e.loop, f"runs policy orca or chunked, not {p.name}: use loop=host"
+            )
+        if e.backend != "runner":
+            raise ConfigError("engine.loop", e.loop, "runs the model: needs engine.backend=runner")
+        if w.kind != "synthetic" or w.arrival != "offline":
+            raise ConfigError(
+                "engine.loop", e.loop,
+                "needs an offline workload (workload.kind=synthetic, workload.arrival=offline): "
+                "its clock counts passes, so no request may arrive later; use loop=host",
+            )  # fmt: skip
     mem = cfg.memory
     _one_of("memory.layout", mem.layout, ("contiguous", "paged"))
     _one_of("memory.reservation", mem.reservation, ("max_len", "pow2", "exact"))

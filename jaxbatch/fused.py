@@ -10,7 +10,6 @@ The clock inside counts passes; the host times the whole loop. Results come back
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -19,20 +18,10 @@ import numpy as np
 
 from jaxbatch.backend.buckets import PassShape, num_compiles
 from jaxbatch.backend.runner import PassOut, Runner, _forward, store_tokens
-from jaxbatch.engine import kv_reserved
+from jaxbatch.engine import RunResult, kv_reserved
 from jaxbatch.report.recorder import Record
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, Plan, SchedState
-
-
-@dataclass(frozen=True)
-class FusedResult:
-    record: Record  # start and duration in passes
-    final: SchedState
-    outputs: list[np.ndarray]
-    wall_s: float  # the whole compiled loop, compile excluded
-    compile_s: float
-    num_compiles: int
 
 
 def flatten(plan: Plan, rows: int, num_slots: int):
@@ -57,8 +46,16 @@ def _pad_rows(x, width: int):
 
 
 def run_fused(
-    policy: Policy, params: PolicyParams, state: SchedState, runner: Runner, max_passes: int
-) -> FusedResult:
+    policy: Policy,
+    params: PolicyParams,
+    state: SchedState,
+    runner: Runner,
+    max_passes: int,
+    clock: str = "measured",
+) -> RunResult:
+    """Run every request of an offline workload (all arrived at 0) to the end in one compiled
+    loop. With the measured clock, pass p starts at p x the loop's mean pass time; with the passes
+    clock at p. Compilation counts as warm-up; `compiles_after_warmup` counts any during the run."""
     b = state.num_slots
     rows = runner.buckets.mixed_rows
     longest = int(np.max(np.asarray(state.prompt_len + state.max_new)))
@@ -136,7 +133,7 @@ def run_fused(
     )
     compiled = compiled.compile()
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    compiles_warm, t0 = num_compiles(), time.perf_counter()
     st, runner.cache, runner.token_buf, p, rec = jax.block_until_ready(
         compiled(runner.params, state, runner.cache, runner.token_buf)
     )
@@ -148,17 +145,22 @@ def run_fused(
     req, num_tokens, start_pos = rec["req"][:p], rec["num_tokens"][:p], rec["start_pos"][:p]
     ends = start_pos + num_tokens
     emits = (num_tokens > 0) & (ends >= np.asarray(final.prompt_len)[np.maximum(req, 0)])
+    kind = rec["kind"][:p]
+    unit = wall_s / max(p, 1) if clock == "measured" else 1.0  # seconds (or passes) per pass
     record = Record(
-        start=np.arange(p, dtype=np.float64), duration=np.ones(p), kind=np.full(p, MIXED),
-        req=req, num_tokens=num_tokens, start_pos=start_pos, holder=rec["holder"][:p],
-        emits=emits, computed_tokens=np.full(p, rows), kv_tokens=rec["kv"][:p],
+        start=np.arange(p) * unit, duration=np.full(p, unit), kind=kind, req=req,
+        num_tokens=num_tokens, start_pos=start_pos, holder=rec["holder"][:p], emits=emits,
+        computed_tokens=np.where(kind == MIXED, rows, b), kv_tokens=rec["kv"][:p],
         kv_reserved=rec["granted"][:p],
     )  # fmt: skip
-    return FusedResult(
+    return RunResult(
         record=record,
         final=final,
         outputs=runner.outputs(np.asarray(final.num_generated)),
-        wall_s=wall_s,
-        compile_s=compile_s,
+        logits=None,
+        duration_s=p * unit,
+        warmup_s=compile_s,
         num_compiles=num_compiles() - compiles0,
+        compiles_after_warmup=num_compiles() - compiles_warm,
+        wall_s=wall_s,
     )

@@ -1,15 +1,37 @@
-"""The fused on-device loop against the host loop: identical tokens for every request."""
+"""The fused on-device loop against the host loop: identical tokens and schedule for every
+request, through `run_fused` and through the `engine.loop=fused` config."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
-from jaxbatch.cli import build_backend, memory_spec, policy_options, simulate
+from jaxbatch.cli import build_backend, execute, memory_spec, policy_options, simulate
+from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
 from jaxbatch.fused import run_fused
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, init_state
 from tests.conftest import make_config, make_workload
+
+
+def _fused(cfg, w, watermark_blocks=0):
+    memory = memory_spec(cfg)
+    state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool),
+                       cfg.engine.num_slots, memory=memory)  # fmt: skip
+    policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
+    params = PolicyParams(watermark_blocks=np.int32(watermark_blocks))
+    return run_fused(policy, params, state, build_backend(cfg, w, memory), 400, "passes")
+
+
+def _same_run(fused, host):
+    assert (np.asarray(fused.final.status) == FINISHED).all()
+    for a, b in zip(fused.outputs, host.outputs):
+        np.testing.assert_array_equal(a, b)
+    # Same schedule: the same passes, the same tokens fed in each, the same KV accounting.
+    for field in ("kind", "num_tokens", "start_pos", "holder", "emits", "kv_tokens"):
+        np.testing.assert_array_equal(getattr(fused.record, field), getattr(host.record, field))
 
 
 @pytest.mark.parametrize("policy", ["chunked", "orca"])
@@ -18,15 +40,72 @@ def test_fused_loop_tokens_equal_host_loop(policy):
     cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
     cfg.policy.token_budget = 64
     cfg.policy.long_prefill_threshold = 16
+    _same_run(_fused(cfg, w), simulate(cfg, w))
+
+
+def test_fused_loop_equals_host_loop_with_paged_preemption():
+    """The paged layout under a budget tight enough to preempt: the fused loop frees, regrants
+    and recomputes exactly as the host loop does."""
+    w = make_workload([40, 35, 50, 20], [30, 30, 25, 30])
+    cfg = make_config("chunked", num_slots=3, clock="passes", warmup=False)
+    cfg.policy.token_budget = 32
+    cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
     host = simulate(cfg, w)
-    memory = memory_spec(cfg)
-    state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(5, bool), 3, memory=memory)
-    runner = build_backend(cfg, w, memory)
-    policy_ = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
-    fused = run_fused(policy_, PolicyParams(), state, runner, max_passes=200)
-    assert (np.asarray(fused.final.status) == FINISHED).all()
-    for a, b in zip(fused.outputs, host.outputs):
-        np.testing.assert_array_equal(a, b)
-    # Same schedule: the same number of passes, the same tokens fed in each.
-    assert fused.record.num_passes == host.record.num_passes
-    np.testing.assert_array_equal(fused.record.num_tokens, host.record.num_tokens)
+    assert np.asarray(host.final.num_preemptions).sum() > 0
+    fused = _fused(cfg, w)
+    _same_run(fused, host)
+    np.testing.assert_array_equal(fused.final.num_preemptions, host.final.num_preemptions)
+
+
+def _cli_config(loop: str, clock: str):
+    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop)
+    cfg.policy.token_budget = 32
+    cfg.workload = WorkloadConfig(
+        num_requests=8, prompt=LengthConfig(dist="uniform", low=4, high=60),
+        output=LengthConfig(dist="uniform", low=1, high=30),
+    )  # fmt: skip
+    cfg.output.tokens = True
+    return cfg
+
+
+def test_fused_loop_from_the_config(tmp_path):
+    """`engine.loop=fused` writes the same outputs as the host loop; on the passes clock its
+    metrics are the host loop's. Measured, its passes share the loop's wall time evenly and
+    metrics.json gives the latencies in passes too."""
+    runs = {}
+    for loop in ("host", "fused"):
+        out = tmp_path / loop
+        runs[loop] = execute(_cli_config(loop, "passes"), out)
+        runs[loop]["tokens"] = (out / "tokens.jsonl").read_text()
+    host, fused = runs["host"], runs["fused"]
+    assert fused["tokens"] == host["tokens"]
+    for key in ("num_finished", "num_passes", "output_tokens", "ttft_s", "tpot_s", "e2e_s"):
+        assert fused[key] == host[key], key
+    m = execute(_cli_config("fused", "measured"), tmp_path / "measured")
+    assert m["loop"] == "fused" and m["compiles_after_warmup"] == 0
+    assert m["duration_s"] == pytest.approx(m["wall_s"])
+    assert m["mean_pass_s"] == pytest.approx(m["wall_s"] / m["num_passes"])
+    assert m["in_passes"]["ttft"] == fused["ttft_s"]  # same schedule, counted in passes
+    p50 = m["in_passes"]["e2e"]["p50"] * m["mean_pass_s"]
+    assert m["e2e_s"]["p50"] == pytest.approx(p50)
+    saved = json.loads((tmp_path / "measured" / "metrics.json").read_text())
+    assert saved["in_passes"] == m["in_passes"]
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ({"policy": "continuous"}, "runs policy orca or chunked, not continuous"),
+        ({"backend": "simulator"}, "needs engine.backend=runner"),
+        ({"arrival": "poisson"}, "needs an offline workload"),
+    ],
+)
+def test_fused_loop_config_errors_name_the_field(change, expect):
+    cfg = _cli_config("fused", "passes")
+    cfg.policy.name = change.get("policy", "chunked")
+    cfg.engine.backend = change.get("backend", "runner")
+    cfg.workload.arrival = change.get("arrival", "offline")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith("engine.loop='fused' is not valid: ")
+    assert expect in str(err.value)

@@ -6,7 +6,7 @@ slot, tokens computed (padding included) and KV positions in use. Never compute 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,11 @@ class Record:
     @property
     def num_slots(self) -> int:
         return self.req.shape[1] if self.req.ndim == 2 else 0
+
+    def in_passes(self) -> Record:
+        """The same run on the passes clock: pass p starts at p and lasts 1."""
+        p = self.num_passes
+        return replace(self, start=np.arange(p, dtype=np.float64), duration=np.ones(p))
 
 
 class Recorder:
