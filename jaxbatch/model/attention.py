@@ -26,8 +26,11 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
 
 
 def _scores(qg: Array, k: Array) -> Array:
-    """qg [N, T, Hkv, G, D], k [N, C, Hkv, D] -> scores [N, Hkv, G, T, C]."""
+    """qg [N, T, Hkv, G, D], k [N, C, Hkv, D] (or [C, Hkv, D], shared by every row: one dense
+    matmul) -> scores [N, Hkv, G, T, C]."""
     k32 = k.astype(jnp.float32)
+    if k.ndim == 3:
+        return jnp.einsum("ntkgd,ckd->nkgtc", qg, k32)
     if qg.shape[1] == 1:
         # One query per row (decode): a fused multiply-reduce reads K once, where a batched dot
         # of these shapes is several times slower on CPU.
@@ -37,8 +40,10 @@ def _scores(qg: Array, k: Array) -> Array:
 
 
 def _weighted(p: Array, v: Array) -> Array:
-    """p [N, Hkv, G, T, C], v [N, C, Hkv, D] -> [N, T, Hkv, G, D]."""
+    """p [N, Hkv, G, T, C], v [N, C, Hkv, D] (or shared [C, Hkv, D]) -> [N, T, Hkv, G, D]."""
     v32 = v.astype(jnp.float32)
+    if v.ndim == 3:
+        return jnp.einsum("nkgtc,ckd->ntkgd", p, v32)
     if p.shape[3] == 1:
         p_ncg = p[:, :, :, 0, :].transpose(0, 3, 1, 2)  # [N, C, Hkv, G]
         return (p_ncg[..., None] * v32[:, :, :, None, :]).sum(1)[:, None]
@@ -47,11 +52,12 @@ def _weighted(p: Array, v: Array) -> Array:
 
 def attend(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
     """Causal GQA over key sets sharing one softmax. q: [N, T, H, D]; each part is
-    (k [N, C, Hkv, D], v [N, C, Hkv, D], visible [N, T, C] bool). Returns [N, T, H, D].
+    (k, v, visible [N, T, C] bool) with k, v [N, C, Hkv, D] per row or [C, Hkv, D] shared by
+    every row. Returns [N, T, H, D].
 
     A row that sees no key at all (padding) gets a finite, meaningless output."""
     n, t, h, d = q.shape
-    hkv = parts[0][0].shape[2]
+    hkv = parts[0][0].shape[-2]
     qg = q.reshape(n, t, hkv, h // hkv, d).astype(jnp.float32)
     scores = [
         jnp.where(seen[:, None, None], _scores(qg, k) / jnp.sqrt(d), _MASKED)

@@ -78,11 +78,8 @@ def _this_pass(k: Array, v: Array, index: CacheIndex):
     pos = index.positions
     if pos.shape[1] > 1:
         return k, v, causal(pos, pos) & index.valid[:, None, :]
-    n = pos.shape[0]
-    k_all = jnp.broadcast_to(k[None, :, 0], (n, *k[:, 0].shape))
-    v_all = jnp.broadcast_to(v[None, :, 0], (n, *v[:, 0].shape))
     seen = _same_slot(index) & (pos[None, :, 0] <= pos[:, 0, None])
-    return k_all, v_all, seen[:, None, :]
+    return k[:, 0], v[:, 0], seen[:, None, :]  # keys shared by every row: [N, Hkv, D]
 
 
 def _same_slot(index: CacheIndex) -> Array:
