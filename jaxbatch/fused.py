@@ -17,26 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import PassShape, num_compiles
-from jaxbatch.backend.runner import PassOut, Runner, _forward, store_tokens
+from jaxbatch.backend.runner import PassOut, Runner, _forward, flatten, store_tokens
 from jaxbatch.engine import RunResult, kv_reserved
 from jaxbatch.report.recorder import Record
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, Plan, SchedState
-
-
-def flatten(plan: Plan, rows: int, num_slots: int):
-    """jnp twin of Runner._flatten: one row per fed token, slots in order, padded to `rows`."""
-    k = plan.num_tokens
-    ends = jnp.cumsum(k)
-    first = ends - k
-    r = jnp.arange(rows)
-    valid = r < ends[-1]
-    slot = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_slots - 1)
-    row_slot = jnp.where(valid, slot, num_slots).astype(jnp.int32)
-    row_req = jnp.where(valid, plan.req[slot], 0).astype(jnp.int32)
-    row_start = jnp.where(valid, plan.start_pos[slot] + r - first[slot], 0).astype(jnp.int32)
-    row_last = valid & (r == ends[slot] - 1)
-    return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, plan.block_table[slot]
+from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, SchedState
 
 
 def _pad_rows(x, width: int):
@@ -70,7 +55,7 @@ def run_fused(
         )
         args = (weights, cache, buf, runner.prompt_len, runner.request_ids)
 
-        flat = flatten(plan, rows, b)
+        flat = flatten(plan.req, plan.num_tokens, plan.start_pos, plan.block_table, rows, b)
 
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():

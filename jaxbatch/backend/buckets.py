@@ -44,6 +44,7 @@ class PassShape:
     tokens: int
     context: int
     all_slots: bool = False  # row i is slot i (decode over every slot)
+    flat: bool = False  # one row per fed token, laid out from the plan on the device (mixed)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Buckets:
     def mixed(self, total_tokens: int, max_end: int) -> PassShape:
         """A flattened pass: one row per token, padded to a power of two."""
         rows = self.mixed_rows or pow2_at_least(total_tokens, self.min_len, 1 << 30)
-        return PassShape(rows, 1, self.length(max_end))
+        return PassShape(rows, 1, self.length(max_end), flat=True)
 
     def shape_of(self, plan: Plan) -> PassShape:
         """The bucketed shape of a host-side (numpy) plan."""
@@ -91,7 +92,7 @@ class Buckets:
         mixed = []
         if self.mixed_rows:
             ends = _pow2_range(self.min_len, self.length(int(np.max(prompt_len + max_new))))
-            mixed = [PassShape(self.mixed_rows, 1, c) for c in ends]
+            mixed = [PassShape(self.mixed_rows, 1, c, flat=True) for c in ends]
         if recompute:
             lo, hi = (
                 self.length(int(np.min(prompt_len))),

@@ -113,9 +113,27 @@ def store_tokens(token_buf: Array, out: PassOut) -> Array:
     return token_buf.at[out.emit_req, out.next_pos].set(out.drawn, mode="drop")
 
 
-def _pass(params, cache, token_buf, *args, **static):
-    """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits."""
-    cache, out = _forward(params, cache, token_buf, *args, **static)
+def flatten(req, num_tokens, start_pos, block_table, rows: int, num_slots: int):
+    """A mixed pass's rows from a plan's per-slot arrays: one row per fed token, slots in order,
+    padded to `rows`. Returns _forward's row arguments (slot, req, start, len, last, table)."""
+    ends = jnp.cumsum(num_tokens)
+    first = ends - num_tokens
+    r = jnp.arange(rows)
+    valid = r < ends[-1]
+    slot = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_slots - 1)
+    row_slot = jnp.where(valid, slot, num_slots).astype(jnp.int32)
+    row_req = jnp.where(valid, req[slot], 0).astype(jnp.int32)
+    row_start = jnp.where(valid, start_pos[slot] + r - first[slot], 0).astype(jnp.int32)
+    row_last = valid & (r == ends[slot] - 1)
+    return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, block_table[slot]
+
+
+def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
+    """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits.
+    A flat (mixed) shape takes the plan's (req, num_tokens, start_pos, block_table) as its rows."""
+    shape, num_slots = static["shape"], static["num_slots"]
+    rows = flatten(*rows, shape.rows, num_slots) if shape.flat else rows
+    cache, out = _forward(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 
@@ -166,33 +184,25 @@ class Runner:
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
         self._all_slots = jnp.arange(num_slots, dtype=jnp.int32)
 
-    def _call(
-        self, shape: PassShape, slot, req, start, length, table, last=None
-    ) -> tuple[Array, Array | None]:
-        last = np.asarray(length) > 0 if last is None else last
+    def _call(self, shape: PassShape, *rows) -> tuple[Array, Array | None]:
+        """Run the jitted pass of `shape` on its row arguments (see `_pass`)."""
         fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
         self.cache, self.token_buf, tokens, logits = fn(
-            self.params,
-            self.cache,
-            self.token_buf,
-            self.prompt_len,
-            self.request_ids,
-            slot,
-            req,
-            start,
-            length,
-            last,
-            table,
+            self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids, *rows
         )
         return tokens, logits
 
     def warmup(self, shapes: list[PassShape]) -> None:
         """Compile (and run once, writing nothing) every shape in `shapes`."""
         for shape in shapes:
-            idle_slot = np.full(shape.rows, self.num_slots, np.int32)
-            zeros = np.zeros(shape.rows, np.int32)
-            no_blocks = np.full((shape.rows, self.max_blocks), -1, np.int32)
-            self._call(shape, idle_slot, zeros, zeros, zeros, no_blocks)
+            n = self.num_slots if shape.flat else shape.rows
+            zeros = np.zeros(n, np.int32)
+            no_blocks = np.full((n, self.max_blocks), -1, np.int32)
+            if shape.flat:  # an empty plan: every slot feeds nothing
+                self._call(shape, zeros, zeros, zeros, no_blocks)
+            else:
+                idle_slot = np.full(n, self.num_slots, np.int32)
+                self._call(shape, idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks)
         jax.block_until_ready(self.cache)
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
@@ -206,13 +216,14 @@ class Runner:
         """Run a host-side plan at its bucketed shape (`buckets.shape_of(plan)`); returns device
         arrays: each slot's drawn token [B] (and logits). A decode pass feeds the plan's own
         arrays, so passing the plan's device copy as `on_device` saves a host-to-device copy."""
+        p = plan if on_device is None else on_device
         if int(plan.kind) == DECODE:
-            p = plan if on_device is None else on_device
+            last = plan.num_tokens > 0
             return self._call(
-                shape, self._all_slots, p.req, p.start_pos, p.num_tokens, p.block_table
+                shape, self._all_slots, p.req, p.start_pos, p.num_tokens, last, p.block_table
             )
-        if int(plan.kind) == MIXED:
-            return self._call(shape, *self._flatten(plan, shape.rows))
+        if int(plan.kind) == MIXED:  # flattened on the device, as the fused loop does
+            return self._call(shape, p.req, p.num_tokens, p.start_pos, p.block_table)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
         pad = shape.rows - len(slots)
@@ -223,23 +234,4 @@ class Runner:
         row_table = np.concatenate(
             [plan.block_table[slots], np.full((pad, self.max_blocks), -1, np.int32)]
         )
-        return self._call(shape, row_slot, row_req, row_start, row_len, row_table)
-
-    def _flatten(self, plan: Plan, rows: int):
-        """A mixed pass's rows: one per token of every fed slot, in slot order, padded to rows."""
-        slots = np.flatnonzero(plan.num_tokens > 0)
-        k = plan.num_tokens[slots]
-        total, first = int(k.sum()), np.cumsum(k) - k
-        row_slot = np.full(rows, self.num_slots, np.int32)
-        row_req, row_start = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        row_len, row_last = np.zeros(rows, np.int32), np.zeros(rows, bool)
-        row_slot[:total] = np.repeat(slots, k)
-        row_req[:total] = np.repeat(plan.req[slots], k)
-        row_start[:total] = (
-            np.repeat(plan.start_pos[slots], k) + np.arange(total) - np.repeat(first, k)
-        )
-        row_len[:total] = 1
-        row_last[first + k - 1] = True
-        row_table = np.full((rows, self.max_blocks), -1, np.int32)
-        row_table[:total] = plan.block_table[row_slot[:total]]
-        return row_slot, row_req, row_start, row_len, row_table, row_last
+        return self._call(shape, row_slot, row_req, row_start, row_len, row_len > 0, row_table)
