@@ -48,6 +48,11 @@ class RunResult:
     wall_s: float  # host wall time of the loop
 
 
+def kv_live(state: SchedState, holder: Array) -> Array:
+    """KV positions holding the cached tokens of the requests in `holder` (per slot, -1 free)."""
+    return jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
+
+
 def kv_reserved(state: SchedState) -> Array:
     """KV positions granted to held requests: blocks in use (paged) or reservations."""
     mem = state.memory
@@ -89,8 +94,7 @@ def _stepper(policy: Policy):
     def step(state, plan, tokens, params, now):
         holder = state.slot_req
         state = policy.commit(state, plan, tokens, params)
-        kv = jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
-        reserved = kv_reserved(state)
+        kv, reserved = kv_live(state, holder), kv_reserved(state)
         state, next_plan = policy.schedule(state.replace(now=now), params)
         return state, next_plan, pack(next_plan, holder, kv, reserved)
 

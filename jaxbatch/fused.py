@@ -18,8 +18,8 @@ import numpy as np
 
 from jaxbatch.backend.buckets import PassShape, num_compiles
 from jaxbatch.backend.runner import PassOut, Runner, _forward, flatten, store_tokens
-from jaxbatch.engine import RunResult, kv_reserved
-from jaxbatch.report.recorder import Record
+from jaxbatch.engine import RunResult, kv_live, kv_reserved
+from jaxbatch.report.recorder import Record, emitted
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, SchedState
 
@@ -89,8 +89,7 @@ def run_fused(
         cache, buf = cache.write(out.ks, out.vs, out.index), store_tokens(buf, out)
         holder = st.slot_req
         st = policy.commit(st, plan, out.tokens, params)
-        kv = jnp.where(holder >= 0, st.num_computed[jnp.maximum(holder, 0)], 0).sum()
-        granted = kv_reserved(st)
+        kv, granted = kv_live(st, holder), kv_reserved(st)
         rec = {
             "req": rec["req"].at[p].set(plan.req), "num_tokens": rec["num_tokens"].at[p].set(
                 plan.num_tokens), "start_pos": rec["start_pos"].at[p].set(plan.start_pos),
@@ -128,8 +127,7 @@ def run_fused(
     if p == max_passes and ((final.status != FINISHED) & (final.status != REJECTED)).any():
         raise RuntimeError(f"the fused loop did not end within max_passes={max_passes}")
     req, num_tokens, start_pos = rec["req"][:p], rec["num_tokens"][:p], rec["start_pos"][:p]
-    ends = start_pos + num_tokens
-    emits = (num_tokens > 0) & (ends >= np.asarray(final.prompt_len)[np.maximum(req, 0)])
+    emits = emitted(req, num_tokens, start_pos, np.asarray(final.prompt_len))
     kind = rec["kind"][:p]
     unit = wall_s / max(p, 1) if clock == "measured" else 1.0  # seconds (or passes) per pass
     record = Record(

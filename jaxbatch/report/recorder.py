@@ -41,6 +41,13 @@ class Record:
         return replace(self, start=np.arange(p, dtype=np.float64), duration=np.ones(p))
 
 
+def emitted(req, num_tokens, start_pos, prompt_len: np.ndarray) -> np.ndarray:
+    """Which slots (of one pass, or [P, B] of many) produced an output token: those fed whose
+    tokens reach past their prompt."""
+    ends = start_pos + num_tokens
+    return (num_tokens > 0) & (ends >= prompt_len[np.maximum(req, 0)])
+
+
 class Recorder:
     def __init__(self, prompt_len: np.ndarray):
         self._prompt_len = np.asarray(prompt_len)
@@ -50,9 +57,7 @@ class Recorder:
         self, start, duration, plan: Plan, holder, computed_tokens, kv_tokens, kv_reserved
     ) -> int:
         """Record one pass; returns how many output tokens it produced."""
-        active = plan.num_tokens > 0
-        ends = plan.start_pos + plan.num_tokens
-        emits = active & (ends >= self._prompt_len[np.maximum(plan.req, 0)])
+        emits = emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len)
         self._rows.append(
             (start, duration, int(plan.kind), plan.req, plan.num_tokens, plan.start_pos,
              holder, emits, computed_tokens, kv_tokens, kv_reserved)
