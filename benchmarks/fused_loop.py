@@ -6,8 +6,11 @@ A third figure, `replay`, dispatches the host loop's recorded passes back to bac
 schedule, commit or host sync: the time of the passes alone, the floor any loop could reach with
 these compiled passes. Asserts nothing.
 
-Defaults: a decode-heavy workload (short prompts, long outputs), where per-pass host overhead
-weighs most; `--prompt 64 128 --output 4 8` gives a prefill-heavy one.
+Defaults: a decode-heavy workload (short prompts, long outputs) on 4 and then 8 slots, 4 requests
+per slot. Host overhead per pass is about the same at both sizes, so it weighs most where passes
+are cheapest (4 slots): the issue's target (fused >= 1.2x host) is stated there. On this CPU the
+host and the "device" share the same cores, so every loop is bounded by `replay`.
+`--prompt 64 128 --output 4 8` gives a prefill-heavy workload.
 """
 
 from __future__ import annotations
@@ -52,18 +55,12 @@ def replay(cfg, workload, memory, record: Record, max_blocks: int) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--prompt", type=int, nargs=2, default=(8, 32), help="uniform low high")
-    ap.add_argument("--output", type=int, nargs=2, default=(128, 256), help="uniform low high")
-    args = ap.parse_args()
+def measure(args, slots: int) -> None:
+    """Host loop, fused loop and replay on `slots` slots, interleaved; prints one block."""
     prompt = LengthConfig(dist="uniform", low=args.prompt[0], high=args.prompt[1])
     output = LengthConfig(dist="uniform", low=args.output[0], high=args.output[1])
-    cfg = config("chunked", args.slots, args.requests, prompt, output)
+    n = args.requests_per_slot * slots
+    cfg = config("chunked", slots, n, prompt, output)
     cfg.policy.token_budget = args.budget
     w = from_config(cfg.workload)
     memory = memory_spec(cfg)
@@ -73,7 +70,7 @@ def main() -> None:
         res = simulate(cfg, w)
         tokens = res.record.emits.sum()
         host.append(tokens / res.duration_s)
-        state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), args.slots,
+        state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), slots,
                            memory=memory)  # fmt: skip
         out = run_fused(policy, PolicyParams(), state, build_backend(cfg, w, memory), 1 << 16)
         fused.append(out.record.emits.sum() / out.duration_s)
@@ -81,15 +78,31 @@ def main() -> None:
         floor.append(tokens / replay(cfg, w, memory, res.record, state.block_table.shape[1]))
     kinds = np.bincount(res.record.kind, minlength=4)
     print(
-        f"chunked, budget {args.budget}, {args.requests} offline requests, {args.slots} slots, "
+        f"chunked, budget {args.budget}, {n} offline requests, {slots} slots, "
         f"prompts {args.prompt}, outputs {args.output}: {res.record.num_passes} passes "
         f"({kinds[3]} mixed, {kinds[2]} decode)"
     )
-    print(f"host loop:  median {median(host):8.1f} tok/s")
-    print(f"fused loop: median {median(fused):8.1f} tok/s (compile {out.warmup_s:.1f} s, excluded)")
-    print(f"replay:     median {median(floor):8.1f} tok/s (the host's passes, back to back)")
-    print(f"fused / host = {median(fused) / median(host):.2f}; identical tokens: {same}")
-    print(f"fused / replay = {median(fused) / median(floor):.2f}")
+    print(f"  host loop:  median {median(host):8.1f} tok/s")
+    print(
+        f"  fused loop: median {median(fused):8.1f} tok/s (compile {out.warmup_s:.1f} s, excluded)"
+    )
+    print(f"  replay:     median {median(floor):8.1f} tok/s (the host's passes, back to back)")
+    print(f"  fused / host = {median(fused) / median(host):.2f}; identical tokens: {same}")
+    print(f"  fused / replay = {median(fused) / median(floor):.2f}, host / replay = "
+          f"{median(host) / median(floor):.2f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--slots", type=int, nargs="+", default=(4, 8))
+    ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--prompt", type=int, nargs=2, default=(8, 32), help="uniform low high")
+    ap.add_argument("--output", type=int, nargs=2, default=(128, 256), help="uniform low high")
+    args = ap.parse_args()
+    for slots in args.slots:
+        measure(args, slots)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
-MODEL_NAMES = ("tiny", "custom")
+MODEL_NAMES = ("tiny", "small", "custom")
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes")
 LOOPS = ("host", "fused")

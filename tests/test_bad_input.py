@@ -21,7 +21,7 @@ from jaxbatch.workload import WorkloadError, read_trace
             "fifo",
             "policy.name='fifo' is not valid: use one of static, continuous, orca, chunked",
         ),
-        ("model", "name", "gpt5", "model.name='gpt5' is not valid: use one of tiny, custom"),
+        ("model", "name", "gpt5", "model.name='gpt5' is not valid: use one of tiny, small, custom"),
         ("engine", "num_slots", 0, "engine.num_slots=0 is not valid: must be > 0"),
         ("model", "d_model", -8, "model.d_model=-8 is not valid: must be > 0"),
         ("workload", "num_requests", 0, "workload.num_requests=0 is not valid: must be > 0"),
