@@ -83,7 +83,8 @@ def measure(args, slots: int) -> None:
     )
     print(f"  host loop:  median {median(host):8.1f} tok/s")
     print(
-        f"  fused loop: median {median(fused):8.1f} tok/s (compile + warm-up {out.warmup_s:.1f} s, excluded)"
+        f"  fused loop: median {median(fused):8.1f} tok/s "
+        f"(compile + warm-up {out.warmup_s:.1f} s, excluded)"
     )
     print(f"  replay:     median {median(floor):8.1f} tok/s (the host's passes, back to back)")
     print(f"  fused / host = {median(fused) / median(host):.2f}; identical tokens: {same}")
