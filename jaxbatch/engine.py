@@ -134,7 +134,6 @@ def run(
     skipped = 0.0  # clock time jumped over while idle: runs never sleep
     elapsed = lambda: time.perf_counter() - loop_start + skipped  # noqa: E731
     now, passes = 0.0, 0
-    pending = None  # the last pass's record, written once the next pass is dispatched
     state, plan = schedule(state.replace(now=np.float32(now)), params)
     plan_h = jax.device_get(plan)
     while True:
@@ -152,8 +151,6 @@ def run(
             raise RuntimeError(f"the run did not end within max_passes={max_passes}")
         shape = backend.buckets.shape_of(plan_h)
         tokens, pass_logits = backend.execute(plan_h, shape, plan)
-        if pending is not None:  # host work while the pass runs, off the device's path
-            bar.update(recorder.add(*pending))
         if measured and (now < last_arrival or waits):
             # The next schedule must see every arrival up to the pass's end. Once all requests
             # have arrived (and no policy waits on the clock) its `now` changes nothing, so the
@@ -166,10 +163,9 @@ def run(
         end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
-        pending = (now, end - now, plan_h, holder, shape.rows * shape.tokens, kv, reserved)
+        computed = shape.rows * shape.tokens
+        bar.update(recorder.add(now, end - now, plan_h, holder, computed, kv, reserved))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
-    if pending is not None:
-        bar.update(recorder.add(*pending))
     wall_s = time.perf_counter() - loop_start
     bar.close()
     final = jax.device_get(state)
