@@ -18,6 +18,7 @@ from common import config, median
 from jaxbatch.backend.runner import _jitted_pass
 from jaxbatch.cli import build_backend, memory_spec, simulate
 from jaxbatch.config import LengthConfig
+from jaxbatch.sched.state import DECODE
 from jaxbatch.workload import from_config
 
 
@@ -25,22 +26,21 @@ def raw_loop(cfg, workload) -> float:
     """Seconds for the prefill and every decode pass, dispatched back to back."""
     runner = build_backend(cfg, workload, memory_spec(cfg))
     b, plen, new = cfg.engine.num_slots, int(workload.prompt_len[0]), int(workload.max_new[0])
-    slots = np.arange(b, dtype=np.int32)
-    no_blocks = np.zeros((b, 0), np.int32)
-    calls = [(runner.buckets.prefill(b, plen, plen), np.zeros(b, np.int32), np.full(b, plen))]
-    for step in range(new - 1):
-        pos = plen + step
-        calls.append((runner.buckets.decode(pos + 1), np.full(b, pos, np.int32), np.ones(b)))
-    calls = [(shape, start, length.astype(np.int32)) for shape, start, length in calls]
-    fns = {
-        shape: _jitted_pass(runner.spec, shape, runner.sampling, b, False) for shape, *_ in calls
-    }
+    req, no_blocks = np.arange(b, dtype=np.int32), np.zeros((b, 0), np.int32)
+    prefill = runner.buckets.prefill(b, plen, plen)
+    calls = [(prefill, (req, req, np.zeros(b, np.int32), np.full(b, plen, np.int32),
+                        np.ones(b, bool), no_blocks))]  # fmt: skip
+    for step in range(new - 1):  # a decode shape takes the plan's arrays and kind
+        pos = np.full(b, plen + step, np.int32)
+        calls.append((runner.buckets.decode(plen + step + 1),
+                      (req, np.ones(b, np.int32), pos, no_blocks, np.int32(DECODE))))  # fmt: skip
+    fns = {shape: _jitted_pass(runner.spec, shape, runner.sampling, b, False) for shape, _ in calls}
     runner.warmup(list(fns))
     t0 = time.perf_counter()
-    for shape, start, length in calls:
+    for shape, rows in calls:
         runner.cache, runner.token_buf, tokens, _ = fns[shape](
             runner.params, runner.cache, runner.token_buf, runner.prompt_len, runner.request_ids,
-            slots, slots, start, length, length > 0, no_blocks,
+            *rows,
         )  # fmt: skip
     jax.block_until_ready(tokens)
     return time.perf_counter() - t0

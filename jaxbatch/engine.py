@@ -4,6 +4,13 @@ Each iteration runs the pass, then commit and the next schedule fused in one jit
 host sync. The clock is wall time measured from the loop's start (or one unit per pass with the
 `passes` clock); when nothing can run it jumps to the policy's wake time, so runs never sleep.
 Warm-up compiles everything before the clock starts. No metrics or I/O here.
+
+The host needs the next plan to pick the next pass's compiled shape, so the device would idle
+while the plan travels to the host. After a decode pass in which no request reaches its output
+budget, and with every request arrived, the next pass is almost surely the same slots' decode one
+position on: the loop dispatches it on the device's copy of the next plan before syncing. The pass
+checks on the device that the plan is a decode pass fitting its shape, and feeds nothing if not;
+the host makes the same check once the plan arrives and runs the right pass instead.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.buckets import PassShape, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, Plan, SchedState
+from jaxbatch.sched.state import DECODE, FINISHED, IDLE, REJECTED, Plan, SchedState
 
 
 class Backend(Protocol):
@@ -32,6 +39,7 @@ class Backend(Protocol):
     def execute(
         self, plan: Plan, shape: PassShape, on_device: Plan | None = None
     ) -> tuple[Array, Array | None]: ...
+    def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]: ...
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray] | None: ...
 
 
@@ -71,6 +79,22 @@ def pack(plan: Plan, holder: Array, kv: Array, reserved: Array) -> Array:
     )  # fmt: skip
     rows = [plan.req, plan.num_tokens, plan.start_pos, holder, plan.block_table.ravel()]
     return jnp.concatenate([scalars] + [r.astype(jnp.int32) for r in rows])
+
+
+def _max_end(plan: Plan) -> int:
+    """The last position (exclusive) a host-side plan feeds."""
+    return int(np.max(plan.start_pos + plan.num_tokens, initial=0))
+
+
+def continues(plan: Plan, prompt_len: np.ndarray, max_new: np.ndarray) -> bool:
+    """Whether a host-side plan is a decode pass in which no request reaches its output budget (an
+    EOS may still end one): then the next plan is likely the same slots, one position on."""
+    if int(plan.kind) != DECODE:
+        return False
+    fed = plan.num_tokens > 0
+    r = plan.req[fed]
+    generated = plan.start_pos[fed] + 1 - prompt_len[r] + 1  # outputs once this pass emits
+    return bool(np.all(generated < max_new[r]))
 
 
 def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]:
@@ -134,10 +158,13 @@ def run(
     skipped = 0.0  # clock time jumped over while idle: runs never sleep
     elapsed = lambda: time.perf_counter() - loop_start + skipped  # noqa: E731
     now, passes = 0.0, 0
+    prompt_len, max_new = np.asarray(state.prompt_len), np.asarray(state.max_new)
+    ahead = None  # (shape, tokens, logits) of a decode pass dispatched before its plan was seen
     state, plan = schedule(state.replace(now=np.float32(now)), params)
     plan_h = jax.device_get(plan)
     while True:
         if int(plan_h.kind) == IDLE:
+            ahead = None  # it fed nothing: its plan was no decode pass
             if not np.isfinite(plan_h.wait_until):
                 break
             wake = max(now, float(plan_h.wait_until))
@@ -149,8 +176,12 @@ def run(
             continue
         if passes == max_passes:
             raise RuntimeError(f"the run did not end within max_passes={max_passes}")
-        shape = backend.buckets.shape_of(plan_h)
-        tokens, pass_logits = backend.execute(plan_h, shape, plan)
+        if ahead and int(plan_h.kind) == DECODE and _max_end(plan_h) <= ahead[0].context:
+            shape, tokens, pass_logits = ahead  # it ran on this very plan
+        else:  # nothing ran ahead, or what did fed nothing
+            shape = backend.buckets.shape_of(plan_h)
+            tokens, pass_logits = backend.execute(plan_h, shape, plan)
+        ahead = None
         if measured and (now < last_arrival or waits):
             # The next schedule must see every arrival up to the pass's end. Once all requests
             # have arrived (and no policy waits on the clock) its `now` changes nothing, so the
@@ -158,6 +189,9 @@ def run(
             jax.block_until_ready(tokens)
         sched_at = elapsed() if measured else now + 1.0
         state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
+        if now >= last_arrival and continues(plan_h, prompt_len, max_new):
+            guess = backend.buckets.decode(_max_end(plan_h) + 1)
+            ahead = (guess, *backend.decode(next_plan, guess))
         next_h, holder, kv, reserved = unpack(np.asarray(stats), state.num_slots)
         # A measured pass ends once its commit and the next plan are ready.
         end = elapsed() if measured else sched_at

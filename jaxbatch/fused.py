@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import PassShape, num_compiles
-from jaxbatch.backend.runner import PassOut, Runner, _forward, flatten, store_tokens
+from jaxbatch.backend.runner import (
+    PassOut,
+    Runner,
+    _forward,
+    decode_rows,
+    flatten,
+    store_tokens,
+)
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.report.recorder import Record, emitted
 from jaxbatch.sched.policies import Policy, PolicyParams
@@ -66,10 +73,9 @@ def run_fused(
 
         def decode(shape):  # no prompt tokens: the cheaper all-slot decode
             def run():
-                return _padded(_forward(
-                    *args, jnp.arange(b, dtype=jnp.int32), plan.req, plan.start_pos,
-                    plan.num_tokens, plan.num_tokens > 0, plan.block_table, shape=shape, **common,
-                ))  # fmt: skip
+                rows = decode_rows(plan.req, plan.num_tokens, plan.start_pos, plan.block_table,
+                                   plan.kind, shape.context)  # fmt: skip
+                return _padded(_forward(*args, *rows, shape=shape, **common))
 
             return run
 

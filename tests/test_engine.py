@@ -1,4 +1,4 @@
-"""The host loop's one clock rule: it waits for a pass mid-iteration only while that can matter."""
+"""The host loop: when it waits for a pass mid-iteration, and the decode pass it runs ahead."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import jax
 import numpy as np
 import pytest
 
+from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
+from jaxbatch.cli import simulate
 from jaxbatch.engine import run
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import init_state
+from jaxbatch.sched.state import DECODE, PREFILL, Plan, init_state
+from tests.conftest import make_config, make_workload
 
 
 @pytest.mark.parametrize(
@@ -46,3 +49,66 @@ def test_engine_syncs_mid_pass_exactly_while_the_clock_can_change_a_decision(
     # waited would fail it.
     assert (expect == 0) == (last == 0)
     assert last == 0 or (res.record.start >= last).any()
+
+
+def _counting_decode(monkeypatch):
+    """Record each decode pass the runner runs: True if the engine dispatched it ahead of its
+    plan, False if it ran on a plan the host had seen (through `execute`)."""
+    calls = []
+    decode, execute = Runner.decode, Runner.execute
+
+    def counted_decode(self, plan, shape):
+        calls.append(not self._in_execute)
+        return decode(self, plan, shape)
+
+    def counted_execute(self, *args):
+        self._in_execute = True
+        try:
+            return execute(self, *args)
+        finally:
+            self._in_execute = False
+
+    monkeypatch.setattr(Runner, "_in_execute", False, raising=False)
+    monkeypatch.setattr(Runner, "decode", counted_decode)
+    monkeypatch.setattr(Runner, "execute", counted_execute)
+    return calls
+
+
+def test_decode_dispatched_ahead_is_exact_without_eos_and_harmless_with_it(monkeypatch):
+    w = make_workload([5, 30, 12, 60, 9, 33], [10, 3, 17, 6, 12, 8])
+    calls = _counting_decode(monkeypatch)
+    cfg = make_config("continuous", num_slots=2, clock="passes", warmup=False)
+    full = simulate(cfg, w)
+    decodes = int((full.record.kind == DECODE).sum())
+    # Offline and no EOS: every pass run ahead was the right one, and most decodes ran ahead.
+    assert len(calls) == decodes and sum(calls) > decodes / 2
+    assert full.outputs is not None and all(len(o) == m for o, m in zip(full.outputs, w.max_new))
+
+    # With EOS honoured, a request may end where the host did not foresee it: the pass run ahead
+    # then feeds nothing and the right pass runs after it. Tokens are the EOS-free run's, cut at
+    # each request's first EOS.
+    eos = int(full.outputs[2][1])
+    calls.clear()
+    cfg.engine.eos_id = eos
+    cut = simulate(cfg, w)
+    assert sum(calls) > 0 and len(calls) > int((cut.record.kind == DECODE).sum())  # some wasted
+    for a, b in zip(cut.outputs, full.outputs):
+        hits = np.flatnonzero(b == eos)
+        np.testing.assert_array_equal(a, b[: hits[0] + 1] if len(hits) else b)
+
+
+def test_a_decode_pass_on_a_plan_it_does_not_fit_changes_nothing(spec, params):
+    w = make_workload([6, 20], [4, 4])
+    runner = Runner(spec, params, 2, w.prompts(spec.vocab_size, spec.max_len), w.prompt_len)
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    table = np.zeros((2, 0), np.int32)
+    shape = runner.buckets.decode(16)
+    before = jax.tree.map(np.asarray, (runner.cache, runner.token_buf))
+    for plan in (  # a prefill plan; a decode plan reading past the shape's 16 positions
+        Plan(i32([0, 1]), i32([6, 20]), i32([0, 0]), np.int32(PREFILL), np.float32(0), table),
+        Plan(i32([0, 1]), i32([1, 1]), i32([6, 20]), np.int32(DECODE), np.float32(0), table),
+    ):
+        tokens, _ = runner.decode(plan, shape)
+        np.testing.assert_array_equal(tokens, [-1, -1])
+        after = jax.tree.map(np.asarray, (runner.cache, runner.token_buf))
+        assert all((a == b).all() for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

@@ -128,11 +128,25 @@ def flatten(req, num_tokens, start_pos, block_table, rows: int, num_slots: int):
     return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, block_table[slot]
 
 
+def decode_rows(req, num_tokens, start_pos, block_table, kind, context: int):
+    """A decode pass's rows from a plan's per-slot arrays: row i is slot i. A plan that is not a
+    decode pass fitting `context` (the engine may dispatch a pass before its plan reaches the
+    host) feeds nothing: the pass then writes no K/V and emits no token."""
+    fits = (kind == DECODE) & jnp.all(num_tokens <= 1) & jnp.all(start_pos + num_tokens <= context)
+    fed = jnp.where(fits, num_tokens, 0).astype(jnp.int32)
+    slots = jnp.arange(num_tokens.shape[0], dtype=jnp.int32)
+    return slots, req, start_pos, fed, fed > 0, block_table
+
+
 def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits.
-    A flat (mixed) shape takes the plan's (req, num_tokens, start_pos, block_table) as its rows."""
+    A flat (mixed) shape takes the plan's (req, num_tokens, start_pos, block_table) as its rows,
+    an all-slot (decode) shape the same and the plan's kind; a prefill shape takes its rows."""
     shape, num_slots = static["shape"], static["num_slots"]
-    rows = flatten(*rows, shape.rows, num_slots) if shape.flat else rows
+    if shape.flat:
+        rows = flatten(*rows, shape.rows, num_slots)
+    elif shape.all_slots:
+        rows = decode_rows(*rows, shape.context)
     cache, out = _forward(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
@@ -182,7 +196,6 @@ class Runner:
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
-        self._all_slots = jnp.arange(num_slots, dtype=jnp.int32)
 
     def _call(self, shape: PassShape, *rows) -> tuple[Array, Array | None]:
         """Run the jitted pass of `shape` on its row arguments (see `_pass`)."""
@@ -200,10 +213,19 @@ class Runner:
             no_blocks = np.full((n, self.max_blocks), -1, np.int32)
             if shape.flat:  # an empty plan: every slot feeds nothing
                 self._call(shape, zeros, zeros, zeros, no_blocks)
+            elif shape.all_slots:
+                self._call(shape, zeros, zeros, zeros, no_blocks, np.int32(DECODE))
             else:
                 idle_slot = np.full(n, self.num_slots, np.int32)
                 self._call(shape, idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks)
         jax.block_until_ready(self.cache)
+
+    def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
+        """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device
+        or not). The host need not have seen the plan: if it is not a decode pass that fits
+        `shape`, the pass feeds nothing (see `decode_rows`)."""
+        return self._call(shape, plan.req, plan.num_tokens, plan.start_pos, plan.block_table,
+                          plan.kind)  # fmt: skip
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
         """Each request's output token ids, read back once at the end of a run."""
@@ -214,14 +236,12 @@ class Runner:
         self, plan: Plan, shape: PassShape, on_device: Plan | None = None
     ) -> tuple[Array, Array | None]:
         """Run a host-side plan at its bucketed shape (`buckets.shape_of(plan)`); returns device
-        arrays: each slot's drawn token [B] (and logits). A decode pass feeds the plan's own
-        arrays, so passing the plan's device copy as `on_device` saves a host-to-device copy."""
+        arrays: each slot's drawn token [B] (and logits). Decode and mixed passes lay out their
+        rows on the device from the plan's arrays, so passing the plan's device copy as
+        `on_device` saves a host-to-device copy."""
         p = plan if on_device is None else on_device
         if int(plan.kind) == DECODE:
-            last = plan.num_tokens > 0
-            return self._call(
-                shape, self._all_slots, p.req, p.start_pos, p.num_tokens, last, p.block_table
-            )
+            return self.decode(p, shape)
         if int(plan.kind) == MIXED:  # flattened on the device, as the fused loop does
             return self._call(shape, p.req, p.num_tokens, p.start_pos, p.block_table)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"

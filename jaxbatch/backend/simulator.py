@@ -29,5 +29,8 @@ class Simulator:
     ) -> tuple[Array, None]:
         return self._tokens, None
 
+    def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, None]:
+        return self._tokens, None
+
     def outputs(self, num_generated: np.ndarray) -> None:
         return None
