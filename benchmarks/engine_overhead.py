@@ -18,7 +18,7 @@ from common import config, median
 from jaxbatch.backend.runner import _jitted_pass
 from jaxbatch.cli import build_backend, memory_spec, simulate
 from jaxbatch.config import LengthConfig
-from jaxbatch.sched.state import DECODE
+from jaxbatch.sched.state import DECODE, Plan
 from jaxbatch.workload import from_config
 
 
@@ -30,10 +30,10 @@ def raw_loop(cfg, workload) -> float:
     prefill = runner.buckets.prefill(b, plen, plen)
     calls = [(prefill, (req, req, np.zeros(b, np.int32), np.full(b, plen, np.int32),
                         np.ones(b, bool), no_blocks))]  # fmt: skip
-    for step in range(new - 1):  # a decode shape takes the plan's arrays and kind
+    for step in range(new - 1):  # a decode shape takes the whole plan
         pos = np.full(b, plen + step, np.int32)
-        calls.append((runner.buckets.decode(plen + step + 1),
-                      (req, np.ones(b, np.int32), pos, no_blocks, np.int32(DECODE))))  # fmt: skip
+        plan = Plan(req, np.ones(b, np.int32), pos, np.int32(DECODE), np.float32(0), no_blocks)
+        calls.append((runner.buckets.decode(plen + step + 1), (plan,)))
     fns = {shape: _jitted_pass(runner.spec, shape, runner.sampling, b, False) for shape, _ in calls}
     runner.warmup(list(fns))
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import numpy as np
 from jax import Array
 from tqdm.auto import tqdm
 
-from jaxbatch.backend.buckets import PassShape, num_compiles
+from jaxbatch.backend.buckets import PassShape, decode_fits, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import DECODE, FINISHED, IDLE, REJECTED, Plan, SchedState
@@ -176,7 +176,7 @@ def run(
             continue
         if passes == max_passes:
             raise RuntimeError(f"the run did not end within max_passes={max_passes}")
-        if ahead and int(plan_h.kind) == DECODE and _max_end(plan_h) <= ahead[0].context:
+        if ahead and decode_fits(plan_h, ahead[0]):
             shape, tokens, pass_logits = ahead  # it ran on this very plan
         else:  # nothing ran ahead, or what did fed nothing
             shape = backend.buckets.shape_of(plan_h)

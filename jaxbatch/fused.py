@@ -73,9 +73,7 @@ def run_fused(
 
         def decode(shape):  # no prompt tokens: the cheaper all-slot decode
             def run():
-                rows = decode_rows(plan.req, plan.num_tokens, plan.start_pos, plan.block_table,
-                                   plan.kind, shape.context)  # fmt: skip
-                return _padded(_forward(*args, *rows, shape=shape, **common))
+                return _padded(_forward(*args, *decode_rows(plan, shape), shape=shape, **common))
 
             return run
 

@@ -47,6 +47,14 @@ class PassShape:
     flat: bool = False  # one row per fed token, laid out from the plan on the device (mixed)
 
 
+def decode_fits(plan: Plan, shape: PassShape):
+    """Whether a plan is a decode pass the all-slot decode `shape` can run: one token per slot at
+    most, none past its context. Works on host (numpy) and device (jax) plans alike, so the
+    engine and the pass apply one rule."""
+    ends = plan.start_pos + plan.num_tokens
+    return (plan.kind == DECODE) & (plan.num_tokens <= 1).all() & (ends <= shape.context).all()
+
+
 @dataclass(frozen=True)
 class Buckets:
     num_slots: int

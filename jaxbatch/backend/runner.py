@@ -19,7 +19,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jaxbatch.backend.buckets import Buckets, PassShape
+from jaxbatch.backend.buckets import Buckets, PassShape, decode_fits
 from jaxbatch.model.kvcache import (
     CacheIndex,
     PagedCache,
@@ -128,25 +128,24 @@ def flatten(req, num_tokens, start_pos, block_table, rows: int, num_slots: int):
     return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, block_table[slot]
 
 
-def decode_rows(req, num_tokens, start_pos, block_table, kind, context: int):
-    """A decode pass's rows from a plan's per-slot arrays: row i is slot i. A plan that is not a
-    decode pass fitting `context` (the engine may dispatch a pass before its plan reaches the
-    host) feeds nothing: the pass then writes no K/V and emits no token."""
-    fits = (kind == DECODE) & jnp.all(num_tokens <= 1) & jnp.all(start_pos + num_tokens <= context)
-    fed = jnp.where(fits, num_tokens, 0).astype(jnp.int32)
-    slots = jnp.arange(num_tokens.shape[0], dtype=jnp.int32)
-    return slots, req, start_pos, fed, fed > 0, block_table
+def decode_rows(plan: Plan, shape: PassShape):
+    """A decode pass's rows from a plan's per-slot arrays: row i is slot i. A plan the shape does
+    not fit (`decode_fits`; the engine may dispatch a pass before its plan reaches the host)
+    feeds nothing: the pass then writes no K/V and emits no token."""
+    fed = jnp.where(decode_fits(plan, shape), plan.num_tokens, 0).astype(jnp.int32)
+    slots = jnp.arange(fed.shape[0], dtype=jnp.int32)
+    return slots, plan.req, plan.start_pos, fed, fed > 0, plan.block_table
 
 
 def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits.
     A flat (mixed) shape takes the plan's (req, num_tokens, start_pos, block_table) as its rows,
-    an all-slot (decode) shape the same and the plan's kind; a prefill shape takes its rows."""
+    an all-slot (decode) shape the whole plan; a prefill shape takes its rows."""
     shape, num_slots = static["shape"], static["num_slots"]
     if shape.flat:
         rows = flatten(*rows, shape.rows, num_slots)
     elif shape.all_slots:
-        rows = decode_rows(*rows, shape.context)
+        rows = decode_rows(*rows, shape)
     cache, out = _forward(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
@@ -214,7 +213,8 @@ class Runner:
             if shape.flat:  # an empty plan: every slot feeds nothing
                 self._call(shape, zeros, zeros, zeros, no_blocks)
             elif shape.all_slots:
-                self._call(shape, zeros, zeros, zeros, no_blocks, np.int32(DECODE))
+                self._call(shape, Plan(zeros, zeros, zeros, np.int32(DECODE), np.float32(0),
+                                       no_blocks))  # fmt: skip
             else:
                 idle_slot = np.full(n, self.num_slots, np.int32)
                 self._call(shape, idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks)
@@ -224,8 +224,7 @@ class Runner:
         """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device
         or not). The host need not have seen the plan: if it is not a decode pass that fits
         `shape`, the pass feeds nothing (see `decode_rows`)."""
-        return self._call(shape, plan.req, plan.num_tokens, plan.start_pos, plan.block_table,
-                          plan.kind)  # fmt: skip
+        return self._call(shape, plan)
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
         """Each request's output token ids, read back once at the end of a run."""
