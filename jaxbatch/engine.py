@@ -6,9 +6,10 @@ host sync. The clock is wall time measured from the loop's start (or one unit pe
 Warm-up compiles everything before the clock starts. No metrics or I/O here.
 
 The host needs the next plan to pick the next pass's compiled shape, so the device would idle
-while the plan travels to the host. After a decode pass in which no request reaches its output
-budget, and with every request arrived, the next pass is almost surely the same slots' decode one
-position on: the loop dispatches it on the device's copy of the next plan before syncing. The pass
+while the plan travels to the host. After a prefill or decode pass in which no request reaches its
+output budget, and with every request arrived, the next pass is almost surely the decode of every
+held slot, one position on: the loop dispatches it on the device's copy of the next plan before
+syncing. The pass
 checks on the device that the plan is a decode pass fitting its shape, and feeds nothing if not;
 the host makes the same check once the plan arrives and runs the right pass instead.
 """
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.buckets import PassShape, decode_fits, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import DECODE, FINISHED, IDLE, REJECTED, Plan, SchedState
+from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan, SchedState
 
 
 class Backend(Protocol):
@@ -81,20 +82,21 @@ def pack(plan: Plan, holder: Array, kv: Array, reserved: Array) -> Array:
     return jnp.concatenate([scalars] + [r.astype(jnp.int32) for r in rows])
 
 
-def _max_end(plan: Plan) -> int:
-    """The last position (exclusive) a host-side plan feeds."""
-    return int(np.max(plan.start_pos + plan.num_tokens, initial=0))
-
-
-def continues(plan: Plan, prompt_len: np.ndarray, max_new: np.ndarray) -> bool:
-    """Whether a host-side plan is a decode pass in which no request reaches its output budget (an
-    EOS may still end one): then the next plan is likely the same slots, one position on."""
-    if int(plan.kind) != DECODE:
-        return False
+def next_ends(
+    plan: Plan, ends: np.ndarray, prompt_len: np.ndarray, max_new: np.ndarray
+) -> tuple[np.ndarray, bool]:
+    """Track, from the host-side plans seen, where each slot's next token goes (0: it will feed
+    no more), and say whether the next pass can be guessed: after a prefill or decode pass in which
+    no request reaches its output budget (an EOS may still end one), it is the decode of every
+    slot with a next token. A decode pass feeds every running slot; a prefill pass only new or
+    resumed ones."""
     fed = plan.num_tokens > 0
-    r = plan.req[fed]
-    generated = plan.start_pos[fed] + 1 - prompt_len[r] + 1  # outputs once this pass emits
-    return bool(np.all(generated < max_new[r]))
+    r = np.maximum(plan.req, 0)
+    end = plan.start_pos + plan.num_tokens
+    done = fed & (end - prompt_len[r] + 1 >= max_new[r])  # outputs once this pass emits
+    kind = int(plan.kind)
+    ends = np.where(fed, end, 0 if kind == DECODE else ends)
+    return np.where(done, 0, ends), kind in (PREFILL, DECODE) and not done.any()
 
 
 def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]:
@@ -159,6 +161,7 @@ def run(
     elapsed = lambda: time.perf_counter() - loop_start + skipped  # noqa: E731
     now, passes = 0.0, 0
     prompt_len, max_new = np.asarray(state.prompt_len), np.asarray(state.max_new)
+    ends = np.zeros(state.num_slots, np.int64)  # see next_ends
     ahead = None  # (shape, tokens, logits) of a decode pass dispatched before its plan was seen
     state, plan = schedule(state.replace(now=np.float32(now)), params)
     plan_h = jax.device_get(plan)
@@ -189,8 +192,9 @@ def run(
             jax.block_until_ready(tokens)
         sched_at = elapsed() if measured else now + 1.0
         state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
-        if now >= last_arrival and continues(plan_h, prompt_len, max_new):
-            guess = backend.buckets.decode(_max_end(plan_h) + 1)
+        ends, guessable = next_ends(plan_h, ends, prompt_len, max_new)
+        if guessable and now >= last_arrival:
+            guess = backend.buckets.decode(int(ends.max()) + 1)
             ahead = (guess, *backend.decode(next_plan, guess))
         next_h, holder, kv, reserved = unpack(np.asarray(stats), state.num_slots)
         # A measured pass ends once its commit and the next plan are ready.
