@@ -9,9 +9,9 @@ The host needs the next plan to pick the next pass's compiled shape, so the devi
 while the plan travels to the host. After a prefill or decode pass in which no request reaches its
 output budget, and with every request arrived, the next pass is almost surely the decode of every
 held slot, one position on: the loop dispatches it on the device's copy of the next plan before
-syncing. The pass
-checks on the device that the plan is a decode pass fitting its shape, and feeds nothing if not;
-the host makes the same check once the plan arrives and runs the right pass instead.
+syncing. The pass checks on the device that the plan is a decode pass fitting its shape, and feeds
+nothing if not; the host makes the same check (`decode_fits`) once the plan arrives and then runs
+the right pass. Plans never depend on the guess, so neither do tokens.
 """
 
 from __future__ import annotations
