@@ -63,7 +63,7 @@ def run_fused(
         )
         args = (weights, cache, buf, runner.prompt_len, runner.request_ids)
 
-        flat = flatten(plan.req, plan.num_tokens, plan.start_pos, plan.block_table, rows, b)
+        flat = flatten(plan, rows, b)
 
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():

@@ -30,7 +30,7 @@ from jaxbatch.model.kvcache import (
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import Transformer
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
+from jaxbatch.sched.state import DECODE, IDLE, MIXED, PREFILL, Plan
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,12 @@ def store_tokens(token_buf: Array, out: PassOut) -> Array:
     return token_buf.at[out.emit_req, out.next_pos].set(out.drawn, mode="drop")
 
 
-def flatten(req, num_tokens, start_pos, block_table, rows: int, num_slots: int):
+def flatten(plan: Plan, rows: int, num_slots: int):
     """A mixed pass's rows from a plan's per-slot arrays: one row per fed token, slots in order,
     padded to `rows`. Returns _forward's row arguments (slot, req, start, len, last, table)."""
+    req, num_tokens, start_pos, block_table = (
+        plan.req, plan.num_tokens, plan.start_pos, plan.block_table
+    )  # fmt: skip
     ends = jnp.cumsum(num_tokens)
     first = ends - num_tokens
     r = jnp.arange(rows)
@@ -139,8 +142,8 @@ def decode_rows(plan: Plan, shape: PassShape):
 
 def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits.
-    A flat (mixed) shape takes the plan's (req, num_tokens, start_pos, block_table) as its rows,
-    an all-slot (decode) shape the whole plan; a prefill shape takes its rows."""
+    A flat (mixed) or all-slot (decode) shape takes the plan and lays out its rows from it on the
+    device; a prefill shape takes its rows."""
     shape, num_slots = static["shape"], static["num_slots"]
     if shape.flat:
         rows = flatten(*rows, shape.rows, num_slots)
@@ -210,10 +213,8 @@ class Runner:
             n = self.num_slots if shape.flat else shape.rows
             zeros = np.zeros(n, np.int32)
             no_blocks = np.full((n, self.max_blocks), -1, np.int32)
-            if shape.flat:  # an empty plan: every slot feeds nothing
-                self._call(shape, zeros, zeros, zeros, no_blocks)
-            elif shape.all_slots:
-                self._call(shape, Plan(zeros, zeros, zeros, np.int32(DECODE), np.float32(0),
+            if shape.flat or shape.all_slots:  # an empty plan: every slot feeds nothing
+                self._call(shape, Plan(zeros, zeros, zeros, np.int32(IDLE), np.float32(0),
                                        no_blocks))  # fmt: skip
             else:
                 idle_slot = np.full(n, self.num_slots, np.int32)
@@ -242,7 +243,7 @@ class Runner:
         if int(plan.kind) == DECODE:
             return self.decode(p, shape)
         if int(plan.kind) == MIXED:  # flattened on the device, as the fused loop does
-            return self._call(shape, p.req, p.num_tokens, p.start_pos, p.block_table)
+            return self._call(shape, p)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
         pad = shape.rows - len(slots)
