@@ -7,7 +7,7 @@ interleaved repeats, milliseconds per pass):
 - in one call: the same pass as the body of a `lax.fori_loop`, one call for all of them (what the
   fused loop pays per pass, less its schedule and commit);
 - empty call: a jitted function of the same arguments that computes nothing (Python dispatch).
-Every run feeds the same tokens at the same positions, so all three do the same arithmetic.
+The first two feed the same tokens at the same positions every pass: the same arithmetic.
 Asserts nothing.
 """
 
@@ -17,13 +17,11 @@ import argparse
 import time
 
 import jax
-import numpy as np
-from common import config, median
+from common import config, decode_plan, median
 
 from jaxbatch.backend.runner import _jitted_pass, _pass
 from jaxbatch.cli import build_backend, memory_spec
 from jaxbatch.config import LengthConfig
-from jaxbatch.sched.state import DECODE, Plan
 from jaxbatch.workload import from_config
 
 
@@ -39,9 +37,7 @@ def main() -> None:
     cfg = config("continuous", b, b, fixed, fixed)
     runner = build_backend(cfg, from_config(cfg.workload), memory_spec(cfg))
     shape = runner.buckets.decode(args.context)
-    req = np.arange(b, dtype=np.int32)
-    plan = jax.device_put(Plan(req, np.ones(b, np.int32), np.full(b, args.context - 1, np.int32),
-                               np.int32(DECODE), np.float32(0), np.zeros((b, 0), np.int32)))  # fmt: skip
+    plan = jax.device_put(decode_plan(b, args.context - 1))
     static = dict(spec=runner.spec, shape=shape, sampling=runner.sampling, num_slots=b,
                   with_logits=False)  # fmt: skip
     one = _jitted_pass(runner.spec, shape, runner.sampling, b, False)

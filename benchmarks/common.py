@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: a config on one of the repository's models, medians."""
+"""Helpers shared by the benchmark scripts: a config on one of the repository's models, a decode
+plan, medians."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from jaxbatch.cli import CONFIG_DIR  # noqa: E402
@@ -20,6 +22,7 @@ from jaxbatch.config import (  # noqa: E402
     PolicyConfig,
     WorkloadConfig,
 )
+from jaxbatch.sched.state import DECODE, Plan  # noqa: E402
 
 
 def config(
@@ -39,6 +42,15 @@ def config(
         engine=EngineConfig(num_slots=num_slots),
         output=OutputConfig(progress=False, plots=False),
     )
+
+
+def decode_plan(num_slots: int, pos: int, block_table: np.ndarray | None = None) -> Plan:
+    """Slot i decodes request i's token at position `pos` (no blocks unless given)."""
+    b = num_slots
+    table = np.zeros((b, 0), np.int32) if block_table is None else block_table
+    req = np.arange(b, dtype=np.int32)
+    return Plan(req, np.ones(b, np.int32), np.full(b, pos, np.int32), np.int32(DECODE),
+                np.float32(0), table)  # fmt: skip
 
 
 def median(xs: list[float]) -> float:

@@ -13,12 +13,11 @@ import time
 
 import jax
 import numpy as np
-from common import config, median
+from common import config, decode_plan, median
 
 from jaxbatch.backend.runner import _jitted_pass
 from jaxbatch.cli import build_backend, memory_spec, simulate
 from jaxbatch.config import LengthConfig
-from jaxbatch.sched.state import DECODE, Plan
 from jaxbatch.workload import from_config
 
 
@@ -31,8 +30,7 @@ def raw_loop(cfg, workload) -> float:
     calls = [(prefill, (req, req, np.zeros(b, np.int32), np.full(b, plen, np.int32),
                         np.ones(b, bool), no_blocks))]  # fmt: skip
     for step in range(new - 1):  # a decode shape takes the whole plan
-        pos = np.full(b, plen + step, np.int32)
-        plan = Plan(req, np.ones(b, np.int32), pos, np.int32(DECODE), np.float32(0), no_blocks)
+        plan = decode_plan(b, plen + step)
         calls.append((runner.buckets.decode(plen + step + 1), (plan,)))
     fns = {shape: _jitted_pass(runner.spec, shape, runner.sampling, b, False) for shape, _ in calls}
     runner.warmup(list(fns))

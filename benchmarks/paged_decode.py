@@ -12,22 +12,16 @@ import time
 
 import jax
 import numpy as np
-from common import median
+from common import decode_plan, median
 
 from jaxbatch.backend.runner import Runner
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.state import DECODE, Plan
 
 
 def decode_time(runner: Runner, pos: int, table: np.ndarray, iters: int) -> float:
-    b = runner.num_slots
-    plan = Plan(
-        req=np.arange(b, dtype=np.int32), num_tokens=np.ones(b, np.int32),
-        start_pos=np.full(b, pos, np.int32), kind=np.int32(DECODE), wait_until=np.float32(0),
-        block_table=table,
-    )  # fmt: skip
+    plan = decode_plan(runner.num_slots, pos, table)
     device_plan = jax.device_put(plan)
     shape = runner.buckets.shape_of(plan)
     runner.warmup([shape])
