@@ -67,7 +67,9 @@ def run_fused(
 
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():
-                return _padded(_forward(*args, *flat, shape=PassShape(rows, 1, context), **common))
+                return _padded(
+                    _forward(*args, *flat, shape=PassShape(rows, 1, context, flat=True), **common)
+                )
 
             return run
 
@@ -79,7 +81,9 @@ def run_fused(
 
         def _padded(forward) -> PassOut:  # each slot's token is [b] in every branch
             _, out = forward
-            rows_of = out.replace(index=out.index.replace(slots=out.index.row_slots), tokens=None)
+            # The write after the switch needs only where rows go, not how attention tiled them.
+            index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0)
+            rows_of = out.replace(index=index, tokens=None)
             return jax.tree.map(partial(_pad_rows, width=width), rows_of).replace(tokens=out.tokens)
 
         # One branch per pass kind and context bucket, as the host loop's buckets: the pass reads

@@ -48,11 +48,12 @@ def test_mixed_pass_equals_separate_prefill_and_decode(spec, params, memory):
 
 
 def _kv(runner, slot, n):
-    """Layer 0's K of a slot's first n positions, in position order."""
-    k = np.asarray(runner.cache.k[0])
+    """Layer 0's K of a slot's first n positions, in position order: [n, kv_heads, head_dim]."""
+    k = np.asarray(runner.cache.k[0])  # head-major: [slot or block, kv_heads, positions, D]
     if runner.paged:
-        return k[slot * 16 : slot * 16 + runner.max_blocks].reshape(-1, *k.shape[2:])[:n]
-    return k[slot, :n]
+        blocks = k[slot * 16 : slot * 16 + runner.max_blocks].transpose(0, 2, 1, 3)
+        return blocks.reshape(-1, *blocks.shape[2:])[:n]
+    return k[slot, :, :n].transpose(1, 0, 2)
 
 
 @pytest.mark.parametrize("memory", [None, PAGED], ids=["slot", "paged"])

@@ -36,15 +36,27 @@ def pow2_at_least(n: int, lo: int, hi: int) -> int:
     return min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length()))
 
 
+QUERY_TILE = 32  # rows of a flat pass that read their slot's cached context together
+
+
 @dataclass(frozen=True)
 class PassShape:
-    """The static shape of one pass: rows, tokens per row, context positions read per row."""
+    """The static shape of one pass: rows, tokens per row, context positions read per row
+    (0: none; every row starts at position 0)."""
 
     rows: int
     tokens: int
     context: int
     all_slots: bool = False  # row i is slot i (decode over every slot)
     flat: bool = False  # one row per fed token, laid out from the plan on the device (mixed)
+
+    def query_tiles(self, num_slots: int) -> tuple[int, int]:
+        """(tiles, rows per tile) of a flat pass's attention: a slot's k rows take ceil(k / tile)
+        tiles, so `num_slots` + rows / tile tiles hold any pass. (0, 0) for other shapes."""
+        if not self.flat:
+            return 0, 0
+        tile = min(QUERY_TILE, self.rows)
+        return min(self.rows, num_slots + -(-self.rows // tile)), tile
 
 
 def decode_fits(plan: Plan, shape: PassShape):
@@ -71,8 +83,10 @@ class Buckets:
     def decode(self, max_end: int) -> PassShape:
         return PassShape(self.num_slots, 1, self.length(max_end), all_slots=True)
 
-    def prefill(self, count: int, max_tokens: int, max_end: int) -> PassShape:
-        return PassShape(self.count(count), self.length(max_tokens), self.length(max_end))
+    def prefill(self, count: int, max_tokens: int, max_end: int, max_start: int = 0) -> PassShape:
+        """Prompts that all start at position 0 read no cached context."""
+        context = self.length(max_end) if max_start else 0
+        return PassShape(self.count(count), self.length(max_tokens), context)
 
     def mixed(self, total_tokens: int, max_end: int) -> PassShape:
         """A flattened pass: one row per token, padded to a power of two."""
@@ -87,7 +101,8 @@ class Buckets:
             return self.decode(max_end)
         if int(plan.kind) == MIXED:
             return self.mixed(int(plan.num_tokens.sum()), max_end)
-        return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end)
+        max_start = int(plan.start_pos[active].max())
+        return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end, max_start)
 
     def for_workload(
         self, prompt_len: np.ndarray, max_new: np.ndarray, recompute: bool = False
@@ -109,7 +124,7 @@ class Buckets:
             lengths |= set(_pow2_range(lo, hi))
         lengths = sorted(lengths)
         counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
-        prefill = [PassShape(c, t, t) for c, t in itertools.product(counts, lengths)]
+        prefill = [PassShape(c, t, 0) for c, t in itertools.product(counts, lengths)]
         lo = self.length(int(np.min(prompt_len)) + 1)
         hi = self.length(int(np.max(prompt_len + max_new)))
         contexts = sorted({self.length(c) for c in _pow2_range(lo, hi)})

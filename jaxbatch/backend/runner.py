@@ -89,7 +89,8 @@ def _forward(
     tokens = token_buf.at[row_req[:, None], positions].get(mode="clip")
     table = row_table if isinstance(cache, PagedCache) else None
     slots = None if shape.all_slots else row_slot
-    index = CacheIndex(slots=slots, positions=positions, valid=valid, block_table=table)
+    tiles, tile = shape.query_tiles(num_slots)
+    index = CacheIndex(slots, positions, valid, table, tiles=tiles, tile=tile)
     logits, (ks, vs), cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
         logit_index=jnp.maximum(row_len - 1, 0), write=write,

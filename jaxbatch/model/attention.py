@@ -1,11 +1,16 @@
-"""Grouped-query attention with position masking, over one or several sets of keys.
+"""Grouped-query attention as partial results over key sets, merged with one softmax.
 
-One rule serves every pass: a query at position p sees the keys at positions <= p of its own
-sequence. A cached pass attends over two sets with one softmax: the context its slot cached in
-earlier passes (read-only) and the keys this pass computes itself. Never allocate or schedule here.
+A query at position p sees the keys at positions <= p of its own sequence. A pass may attend over
+several key sets (the context its slots cached, the keys it computes itself): each set gives a
+`Partial` (unnormalised output, running max, sum of weights) and `merge` combines them exactly, as
+flash attention combines its key blocks. Keys are head-major, `[rows, kv_heads, keys, head_dim]`,
+so every product is a batched matmul XLA runs as one dot on any backend. Never allocate or
+schedule here.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import Array
@@ -25,51 +30,49 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
     return out.astype(x.dtype)
 
 
-def _scores(qg: Array, k: Array) -> Array:
-    """qg [N, T, Hkv, G, D], k [N, C, Hkv, D] (or [C, Hkv, D], shared by every row: one dense
-    matmul) -> scores [N, Hkv, G, T, C]."""
-    k32 = k.astype(jnp.float32)
-    if k.ndim == 3:
-        return jnp.einsum("ntkgd,ckd->nkgtc", qg, k32)
-    if qg.shape[1] == 1:
-        # One query per row (decode): a fused multiply-reduce reads K once, where a batched dot
-        # of these shapes is several times slower on CPU.
-        s = (qg[:, 0][:, None] * k32[:, :, :, None, :]).sum(-1)  # [N, C, Hkv, G]
-        return s.transpose(0, 2, 3, 1)[:, :, :, None, :]
-    return jnp.einsum("ntkgd,nckd->nkgtc", qg, k32)
+class Partial(NamedTuple):
+    """Attention of queries [N, T] over one key set, before normalisation."""
+
+    out: Array  # [N, T, Hkv, G, D] sum of exp(score - top) * value
+    top: Array  # [N, T, Hkv, G] the largest score seen (_MASKED: no key seen)
+    total: Array  # [N, T, Hkv, G] sum of exp(score - top)
 
 
-def _weighted(p: Array, v: Array) -> Array:
-    """p [N, Hkv, G, T, C], v [N, C, Hkv, D] (or shared [C, Hkv, D]) -> [N, T, Hkv, G, D]."""
-    v32 = v.astype(jnp.float32)
-    if v.ndim == 3:
-        return jnp.einsum("nkgtc,ckd->ntkgd", p, v32)
-    if p.shape[3] == 1:
-        p_ncg = p[:, :, :, 0, :].transpose(0, 3, 1, 2)  # [N, C, Hkv, G]
-        return (p_ncg[..., None] * v32[:, :, :, None, :]).sum(1)[:, None]
-    return jnp.einsum("nkgtc,nckd->ntkgd", p, v32)
-
-
-def attend(q: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
-    """Causal GQA over key sets sharing one softmax. q: [N, T, H, D]; each part is
-    (k, v, visible [N, T, C] bool) with k, v [N, C, Hkv, D] per row or [C, Hkv, D] shared by
-    every row. Returns [N, T, H, D].
-
-    A row that sees no key at all (padding) gets a finite, meaningless output."""
+def partial(q: Array, k: Array, v: Array, visible: Array) -> Partial:
+    """q [N, T, H, D]; k, v [N, Hkv, C, D] per row, or [Hkv, C, D] shared by every row;
+    visible [N, T, C] bool."""
     n, t, h, d = q.shape
-    hkv = parts[0][0].shape[-2]
+    hkv = k.shape[-3]
     qg = q.reshape(n, t, hkv, h // hkv, d).astype(jnp.float32)
-    scores = [
-        jnp.where(seen[:, None, None], _scores(qg, k) / jnp.sqrt(d), _MASKED)
-        for k, _, seen in parts
-    ]
-    top = scores[0].max(-1, keepdims=True)
-    for s in scores[1:]:
-        top = jnp.maximum(top, s.max(-1, keepdims=True))
-    weights = [jnp.exp(s - top) for s in scores]
-    total = sum(w.sum(-1, keepdims=True) for w in weights)
-    out = sum(_weighted(w / total, v) for w, (_, v, _) in zip(weights, parts))
-    return out.reshape(n, t, h, d).astype(q.dtype)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    shared = k.ndim == 3
+    s = jnp.einsum("ntkgd,kcd->nkgtc" if shared else "ntkgd,nkcd->nkgtc", qg, k32)
+    s = jnp.where(visible[:, None, None], s / jnp.sqrt(d), _MASKED)
+    top = s.max(-1, keepdims=True)
+    w = jnp.exp(s - top)
+    out = jnp.einsum("nkgtc,kcd->ntkgd" if shared else "nkgtc,nkcd->ntkgd", w, v32)
+    to_rows = lambda x: x[..., 0].transpose(0, 3, 1, 2)  # noqa: E731  [N, Hkv, G, T] -> [N, T, Hkv, G]
+    return Partial(out, to_rows(top), to_rows(w.sum(-1, keepdims=True)))
+
+
+def merge(parts: list[Partial], dtype) -> Array:
+    """The attention output [N, T, H, D] over every key set of `parts` (one softmax). A query
+    that sees no key at all (padding) gets a finite, meaningless output."""
+    top = parts[0].top
+    for p in parts[1:]:
+        top = jnp.maximum(top, p.top)
+    scales = [jnp.exp(p.top - top) for p in parts]
+    total = sum(p.total * s for p, s in zip(parts, scales))
+    out = sum(p.out * s[..., None] for p, s in zip(parts, scales)) / total[..., None]
+    n, t, hkv, g, d = out.shape
+    return out.reshape(n, t, hkv * g, d).astype(dtype)
+
+
+def attend(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """Attention over one key set (see `partial`); k, v [N, T', Hkv, D] as the projections give
+    them. Returns [N, T, H, D]."""
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    return merge([partial(q, heads_first(k), heads_first(v), visible)], q.dtype)
 
 
 def causal(q_pos: Array, kv_pos: Array) -> Array:

@@ -1,13 +1,14 @@
 """KV cache layouts as pytrees, and how a pass writes and reads them.
 
-The slot layout keeps one `[num_slots, max_len, kv_heads, head_dim]` region per slot and layer; the
-paged layout keeps a pool of `[num_blocks, block_size, kv_heads, head_dim]` blocks per layer. A pass
-addresses either through a CacheIndex: each row's slot, token positions, real tokens and (paged) its
-block table. A pass attends over the context its slots cached before it plus its own new K/V, so it
-may write its K/V layer by layer as it goes (the host loop's passes: XLA updates the donated cache
-in place) or read the cache only and write everything at its end (the fused loop: a `lax.switch`
-branch that wrote the cache would make XLA copy all of it every pass). This module never decides
-what to write: the scheduler's plan does.
+The slot layout keeps one `[num_slots, kv_heads, max_len, head_dim]` region per slot and layer; the
+paged layout keeps a pool of `[num_blocks, kv_heads, block_size, head_dim]` blocks per layer. Both
+are head-major, so a read gives each row its keys as `[kv_heads, positions, head_dim]`: attention
+is then a batched matmul with no transpose of the context. A pass addresses either layout through a
+CacheIndex: each row's slot, token positions, real tokens and (paged) its block table. A pass may
+write its K/V layer by layer before attending (the host loop's passes: XLA updates the donated
+cache in place) or read the cache only and write everything at its end (the fused loop: a
+`lax.switch` branch that wrote the cache would make XLA copy all of it every pass). This module
+never decides what to write: the scheduler's plan does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jaxbatch.model.spec import ModelSpec
 
 
 def _put(cache, layer: int, scatter, k: Array, v: Array):
-    """The cache with one layer's K and V replaced by `scatter(old, new)`."""
+    """The cache with one layer's K and V replaced by `scatter(old, new)`; new: [N, T, H, D]."""
     ks, vs = list(cache.k), list(cache.v)
     ks[layer] = scatter(ks[layer], k.astype(ks[layer].dtype))
     vs[layer] = scatter(vs[layer], v.astype(vs[layer].dtype))
@@ -36,12 +37,18 @@ def _write_all(cache, ks: tuple[Array, ...], vs: tuple[Array, ...], index: Cache
 
 @struct.dataclass
 class CacheIndex:
-    """Where the rows of a pass live in the cache. Shapes: rows N, tokens per row T."""
+    """Where the rows of a pass live in the cache. Shapes: rows N, tokens per row T.
+
+    A row holds one slot's tokens. In a flat pass (`tiles` > 0: one token per row, a slot's rows
+    consecutive) attention groups each slot's rows into query tiles of `tile` rows, so a slot's
+    cached context is read once per tile instead of once per row."""
 
     slots: Array | None  # [N] int32 (a padding row: out of range); None: row i is slot i
     positions: Array  # [N, T] int32; the position of each token in its sequence
     valid: Array  # [N, T] bool; False for padding tokens
     block_table: Array | None = None  # [N, max_blocks] i32 each row's blocks (paged layout)
+    tiles: int = struct.field(pytree_node=False, default=0)  # query tiles of a flat pass
+    tile: int = struct.field(pytree_node=False, default=0)  # rows per query tile
 
     @property
     def row_slots(self) -> Array:
@@ -51,7 +58,7 @@ class CacheIndex:
 
 @struct.dataclass
 class SlotCache:
-    """Per layer K and V of shape [num_slots, max_len, kv_heads, head_dim]."""
+    """Per layer K and V of shape [num_slots, kv_heads, max_len, head_dim]."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -62,28 +69,28 @@ class SlotCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
-        """Each row's first ctx_len cached positions of one layer: K, V [N, ctx_len, H, D]."""
+        """Each row's first ctx_len cached positions of one layer: K, V [N, H, ctx_len, D]."""
         if index.slots is None:  # every slot in order (decode): a slice XLA can fuse, no gather
-            return self.k[layer][:, :ctx_len], self.v[layer][:, :ctx_len]
-        k = self.k[layer].at[index.slots, :ctx_len].get(mode="clip")
-        return k, self.v[layer].at[index.slots, :ctx_len].get(mode="clip")
+            return self.k[layer][:, :, :ctx_len], self.v[layer][:, :, :ctx_len]
+        k = self.k[layer].at[index.slots, :, :ctx_len].get(mode="clip")
+        return k, self.v[layer].at[index.slots, :, :ctx_len].get(mode="clip")
 
     def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> SlotCache:
         """Store one layer's K/V of a pass ([N, T, H, D]) at its rows' positions."""
         # Padding tokens go to an out-of-range position and are dropped, never overwriting a slot.
         pos = jnp.where(index.valid, index.positions, self.max_len)
         rows = jnp.broadcast_to(index.row_slots[:, None], pos.shape)
-        return _put(self, layer, lambda old, new: old.at[rows, pos].set(new, mode="drop"), k, v)
+        return _put(self, layer, lambda old, new: old.at[rows, :, pos].set(new, mode="drop"), k, v)
 
     write = _write_all
 
 
 @struct.dataclass
 class PagedCache:
-    """Per layer K and V of shape [num_blocks, block_size, kv_heads, head_dim]; a row reaches its
+    """Per layer K and V of shape [num_blocks, kv_heads, block_size, head_dim]; a row reaches its
     positions through its block table (position p lives at block_table[p // bs], p % bs)."""
 
     k: tuple[Array, ...]
@@ -91,16 +98,20 @@ class PagedCache:
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
+        """Each row's first ctx_len cached positions of one layer: K, V [N, H, ctx_len, D]."""
         bs = self.block_size
         n_read = -(-ctx_len // bs)
         blocks = index.block_table[:, :n_read]  # [N, n_read]; past a row's length: masked later
 
         def gather(layer_cache):
-            ctx = layer_cache.at[blocks].get(mode="clip")  # [N, n_read, bs, H, D]
-            return ctx.reshape(ctx.shape[0], n_read * bs, *ctx.shape[3:])[:, :ctx_len]
+            ctx = (
+                layer_cache.at[blocks].get(mode="clip").transpose(0, 2, 1, 3, 4)
+            )  # N H n_read bs D
+            n, h, _, _, d = ctx.shape
+            return ctx.reshape(n, h, n_read * bs, d)[:, :, :ctx_len]
 
         return gather(self.k[layer]), gather(self.v[layer])
 
@@ -112,18 +123,20 @@ class PagedCache:
         # Padding tokens and unallocated entries (-1) go out of range and are dropped.
         block = jnp.where(index.valid & (block >= 0), block, num_blocks)
         offset = index.positions % bs
-        return _put(self, layer, lambda old, new: old.at[block, offset].set(new, mode="drop"), k, v)
+        return _put(
+            self, layer, lambda old, new: old.at[block, :, offset].set(new, mode="drop"), k, v
+        )
 
     write = _write_all
 
 
 def init_paged_cache(spec: ModelSpec, num_blocks: int, block_size: int) -> PagedCache:
-    shape = (num_blocks, block_size, spec.n_kv_heads, spec.head_dim)
+    shape = (num_blocks, spec.n_kv_heads, block_size, spec.head_dim)
     zeros = tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.n_layers))
     return PagedCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
 
 
 def init_slot_cache(spec: ModelSpec, num_slots: int) -> SlotCache:
-    shape = (num_slots, spec.max_len, spec.n_kv_heads, spec.head_dim)
+    shape = (num_slots, spec.n_kv_heads, spec.max_len, spec.head_dim)
     zeros = tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.n_layers))
     return SlotCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))

@@ -13,6 +13,7 @@ from jax import Array
 
 from jaxbatch.model.attention import attend, causal, rope
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
+from jaxbatch.model.pass_attention import pass_attention
 from jaxbatch.model.spec import ModelSpec
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -47,45 +48,16 @@ class Block(nn.Module):
         k = rope(dense((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
         v = dense((s.n_kv_heads, s.head_dim), name="v")(h)
         if cache is None:
-            out = attend(q, [(k, v, causal(positions, positions))])
+            out = attend(q, k, v, causal(positions, positions))
         else:
-            if write:  # the cached part below masks these positions: they come from this pass
+            if write:  # then attention reads this pass's K/V from the cache with the rest
                 cache = cache.write_layer(self.layer, k, v, index)
-            out = attend(q, [_cached(cache, self.layer, index, ctx_len), _this_pass(k, v, index)])
+            out = pass_attention(q, k, v, cache, self.layer, index, ctx_len, written=write)
         x = x + dense(s.d_model, axis=(-2, -1), name="o")(out)
         h = RMSNorm(s.norm_eps, name="mlp_norm")(x)
         gate = nn.silu(dense(s.d_mlp, name="gate")(h))
         x = x + dense(s.d_model, name="down")(gate * dense(s.d_mlp, name="up")(h))
         return x, (k, v), cache
-
-
-def _cached(cache, layer: int, index: CacheIndex, ctx_len: int):
-    """The context a row's slot cached before this pass: positions below the first one this pass
-    feeds for that slot (the rest of the region may hold stale K/V)."""
-    k_ctx, v_ctx = cache.read(layer, index, ctx_len)
-    if index.positions.shape[1] > 1:  # a row is its slot's only row (prefill)
-        first = index.positions[:, 0]
-    else:  # one token per row (decode, mixed): the slot's first row in this pass
-        same, pos = _same_slot(index), index.positions[:, 0]
-        first = jnp.where(same, pos[None, :], jnp.iinfo(jnp.int32).max).min(1)
-    seen = jnp.arange(ctx_len)[None, None, :] < first[:, None, None]
-    return k_ctx, v_ctx, jnp.broadcast_to(seen, (*index.positions.shape, ctx_len))
-
-
-def _this_pass(k: Array, v: Array, index: CacheIndex):
-    """The keys this pass computes: a prefill row's own tokens, or (one token per row) every row
-    of the same slot, each seen by the queries at or after its position."""
-    pos = index.positions
-    if pos.shape[1] > 1:
-        return k, v, causal(pos, pos) & index.valid[:, None, :]
-    seen = _same_slot(index) & (pos[None, :, 0] <= pos[:, 0, None])
-    return k[:, 0], v[:, 0], seen[:, None, :]  # keys shared by every row: [N, Hkv, D]
-
-
-def _same_slot(index: CacheIndex) -> Array:
-    """[N, N]: row j is a real token of row i's slot."""
-    slots = index.row_slots
-    return (slots[:, None] == slots[None, :]) & index.valid[None, :, 0]
 
 
 class Transformer(nn.Module):
