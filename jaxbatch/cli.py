@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from jaxbatch.backend.buckets import pow2_at_least
+from jaxbatch.backend.compilation import cache_dir, use_cache
 from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, register, validate
@@ -103,6 +104,7 @@ def policy_options(cfg: Config) -> dict:
 def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunResult:
     """Run a validated config on a workload; requests that can never fit are rejected up front."""
     e = cfg.engine
+    use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)
     rejected = np.array([bool(r) for r in rejections(cfg, workload, memory)])
     state = init_state(
@@ -161,6 +163,8 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         ),  # fmt: skip
         "num_compiles": result.num_compiles,
         "compiles_after_warmup": result.compiles_after_warmup,
+        "compile_cache_hits": result.cache_hits,
+        "compile_cache": str(cache_dir(cfg.engine.compile_cache) or "off"),
         "warmup_s": result.warmup_s,
         "wall_s": result.wall_s,
     }
@@ -206,7 +210,8 @@ def summary_table(metrics: dict) -> str:
          f"peak {metrics['kv_peak_utilization']:.1%}, waste {metrics['kv_mean_waste']:.1%}"),
         ("preemptions", metrics["num_preemptions"]),
         ("compiles (after warm-up)",
-         f"{metrics['num_compiles']} ({metrics['compiles_after_warmup']})"),
+         f"{metrics['num_compiles']} ({metrics['compiles_after_warmup']}), "
+         f"{metrics['compile_cache_hits']} loaded from the compile cache"),
         ("warm-up", f"{metrics['warmup_s']:.2f} s"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)

@@ -98,6 +98,9 @@ class EngineConfig:
     # host: one Python iteration per pass. fused: the whole run as one compiled lax.while_loop
     # (offline workloads, orca and chunked, runner backend); its passes are timed as a whole.
     loop: str = "host"
+    # JAX's persistent compilation cache: `user` ($XDG_CACHE_HOME or ~/.cache, then
+    # jaxbatch/xla), `off`, or a folder. A run whose shapes an earlier run compiled loads them.
+    compile_cache: str = "user"
 
 
 @dataclass

@@ -27,7 +27,10 @@ def params(spec):
 
 
 def make_config(policy: str = "continuous", **engine) -> Config:
+    """Tests keep the persistent compilation cache off, so that what an earlier run left on disk
+    never changes their compile counts (test_compile_cache turns it on)."""
     engine.setdefault("num_slots", 4)
+    engine.setdefault("compile_cache", "off")
     return Config(
         model=TEST_MODEL,
         policy=PolicyConfig(name=policy),

@@ -1,4 +1,4 @@
-"""Bucket choice for jitted passes, and a process-wide count of every XLA compilation.
+"""Bucket choice for jitted passes.
 
 Every padded size a pass may be compiled for comes from here, so a run can list (and warm up)
 all the shapes it needs before its clock starts. Never compile anything in this module.
@@ -10,25 +10,8 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-from jax import monitoring
 
 from jaxbatch.sched.state import DECODE, MIXED, Plan
-
-_compiles = 0
-
-
-def _count(event: str, duration: float, **kwargs) -> None:
-    global _compiles
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compiles += 1
-
-
-monitoring.register_event_duration_secs_listener(_count)
-
-
-def num_compiles() -> int:
-    """XLA compilations in this process so far: every jitted function, eager op and warm-up."""
-    return _compiles
 
 
 def pow2_at_least(n: int, lo: int, hi: int) -> int:
