@@ -1,5 +1,8 @@
 """Helpers shared by the benchmark scripts: a config on one of the repository's models, a decode
-plan, medians."""
+plan, medians.
+
+A model name is a config of `configs/model/` (tiny, small), optionally with `-kvN` for N KV heads:
+`tiny-kv4` is the tiny model with plain multi-head attention (one query head per KV head)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,22 @@ from jaxbatch.config import (  # noqa: E402
     PolicyConfig,
     WorkloadConfig,
 )
+from jaxbatch.model.spec import ModelSpec  # noqa: E402
 from jaxbatch.sched.state import DECODE, Plan  # noqa: E402
+
+
+def model_config(model: str) -> ModelConfig:
+    """A model name (see above) as its config."""
+    name, _, kv = model.partition("-kv")
+    fields = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml"))
+    cfg = ModelConfig(**fields)
+    if kv:
+        cfg.n_kv_heads = int(kv)
+    return cfg
+
+
+def model_spec(model: str) -> ModelSpec:
+    return model_config(model).spec()
 
 
 def config(
@@ -33,10 +51,9 @@ def config(
     output: LengthConfig,
     model: str = "tiny",
 ) -> Config:
-    """`model`: a config of `configs/model/` (tiny, small)."""
-    fields = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{model}.yaml"))
+    """`model`: a model name (see above)."""
     return Config(
-        model=ModelConfig(**fields),
+        model=model_config(model),
         policy=PolicyConfig(name=policy),
         workload=WorkloadConfig(num_requests=n, prompt=prompt, output=output),
         engine=EngineConfig(num_slots=num_slots),

@@ -1,5 +1,7 @@
 """Static vs continuous batching on one offline workload (the default: 32 requests, 8 slots,
 32-token prompts, outputs uniform in 8..256, tiny model), measured side by side in one process.
+The realistic workload of benchmarks/throughput.py: `--model tiny-kv4 --slots 16 --requests 64
+--prompt 16 128 --output 16 128` (varied prompt lengths, plain multi-head attention).
 
 Ideal ratio, from the workload alone: static passes = sum over FCFS batches of the longest output
 budget; continuous passes = total output tokens / slots + the prefill passes it ran. Prints the
@@ -29,10 +31,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--model", default="tiny", help="a config of configs/model/")
+    ap.add_argument("--model", default="tiny", help="tiny, small, tiny-kv4, ... (common.py)")
+    ap.add_argument("--prompt", type=int, nargs=2, default=(32, 32), metavar=("LOW", "HIGH"))
+    ap.add_argument("--output", type=int, nargs=2, default=(8, 256), metavar=("LOW", "HIGH"))
     args = ap.parse_args()
-    prompt = LengthConfig(dist="fixed", mean=32)
-    output = LengthConfig(dist="uniform", low=8, high=256)
+    prompt, output = (
+        LengthConfig(dist="fixed", mean=lo)
+        if lo == hi
+        else LengthConfig("uniform", low=lo, high=hi)
+        for lo, hi in (args.prompt, args.output)
+    )
     b = args.slots
     tok_s, pass_s, runs = {}, {}, {}
     for _ in range(args.repeats):

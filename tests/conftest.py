@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,9 +18,11 @@ TEST_MODEL = ModelConfig(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="session")
-def spec() -> ModelSpec:
-    return TEST_MODEL.spec()
+@pytest.fixture(scope="session", params=[2, 4], ids=["kv2", "kv4"])
+def spec(request) -> ModelSpec:
+    """The test model with grouped-query (2 KV heads for 4 query heads) and plain multi-head
+    attention (4 KV heads): the two take different attention paths."""
+    return dataclasses.replace(TEST_MODEL.spec(), n_kv_heads=request.param)
 
 
 @pytest.fixture(scope="session")

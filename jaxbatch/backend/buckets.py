@@ -55,7 +55,9 @@ class Buckets:
     num_slots: int
     max_len: int
     min_len: int = 16
-    mixed_rows: int = 0  # rows of every mixed pass (a token budget's bucket); 0: fit each pass
+    # The most rows of a mixed pass (a token budget's bucket), set for the budgeted policies,
+    # whose prompt tokens all run in mixed passes; 0: the policy runs no mixed pass.
+    mixed_rows: int = 0
 
     def length(self, n: int) -> int:
         return pow2_at_least(n, self.min_len, self.max_len)
@@ -73,7 +75,7 @@ class Buckets:
 
     def mixed(self, total_tokens: int, max_end: int) -> PassShape:
         """A flattened pass: one row per token, padded to a power of two."""
-        rows = self.mixed_rows or pow2_at_least(total_tokens, self.min_len, 1 << 30)
+        rows = pow2_at_least(total_tokens, self.min_len, self.mixed_rows or 1 << 30)
         return PassShape(rows, 1, self.length(max_end), flat=True)
 
     def shape_of(self, plan: Plan) -> PassShape:
@@ -90,28 +92,27 @@ class Buckets:
     def for_workload(
         self, prompt_len: np.ndarray, max_new: np.ndarray, recompute: bool = False
     ) -> list[PassShape]:
-        """Every shape a prefill-first run of these requests can use (prompts start at 0).
+        """Every shape a run of these requests can use (prompts start at 0): mixed passes of
+        every row bucket for a budgeted policy (`mixed_rows`), else prefill passes; and decodes.
         With `recompute` (preemption), a prefill may also hold a prompt and its outputs."""
         if len(prompt_len) == 0:
             return []
-        lengths = {self.length(p) for p in prompt_len}
-        mixed = []
-        if self.mixed_rows:
-            ends = _pow2_range(self.min_len, self.length(int(np.max(prompt_len + max_new))))
-            mixed = [PassShape(self.mixed_rows, 1, c, flat=True) for c in ends]
-        if recompute:
-            lo, hi = (
-                self.length(int(np.min(prompt_len))),
-                self.length(int(np.max(prompt_len + max_new))),
-            )
-            lengths |= set(_pow2_range(lo, hi))
-        lengths = sorted(lengths)
-        counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
-        prefill = [PassShape(c, t, 0) for c, t in itertools.product(counts, lengths)]
+        longest = self.length(int(np.max(prompt_len + max_new)))
         lo = self.length(int(np.min(prompt_len)) + 1)
-        hi = self.length(int(np.max(prompt_len + max_new)))
-        contexts = sorted({self.length(c) for c in _pow2_range(lo, hi)})
-        return prefill + [self.decode(c) for c in contexts] + mixed
+        decodes = [
+            self.decode(c) for c in sorted({self.length(c) for c in _pow2_range(lo, longest)})
+        ]
+        if self.mixed_rows:
+            rows = _pow2_range(self.min_len, self.mixed_rows)
+            contexts = _pow2_range(self.min_len, longest)
+            mixed = [PassShape(r, 1, c, flat=True) for r, c in itertools.product(rows, contexts)]
+            return mixed + decodes
+        lengths = {self.length(p) for p in prompt_len}
+        if recompute:
+            lengths |= set(_pow2_range(self.length(int(np.min(prompt_len))), longest))
+        counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
+        prefill = [PassShape(c, t, 0) for c, t in itertools.product(counts, sorted(lengths))]
+        return prefill + decodes
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -41,19 +41,43 @@ class Partial(NamedTuple):
 
 def partial(q: Array, k: Array, v: Array, visible: Array) -> Partial:
     """q [N, T, H, D]; k, v [N, Hkv, C, D] per row, or [Hkv, C, D] shared by every row;
-    visible [N, T, C] bool."""
+    visible [N, T, C] bool. Each product is one matmul per KV head whose rows are every query
+    (row, token, query head) that reads it: XLA runs that shape near its matmul peak, where
+    keeping tokens and heads as separate axes made it pick transposed, slower products."""
     n, t, h, d = q.shape
     hkv = k.shape[-3]
-    qg = q.reshape(n, t, hkv, h // hkv, d).astype(jnp.float32)
+    g = h // hkv
+    q5 = q.reshape(n, t, hkv, g, d).astype(jnp.float32)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    shared = k.ndim == 3
-    s = _scores(qg, k32) if not shared else jnp.einsum("ntkgd,kcd->nkgtc", qg, k32)
-    s = jnp.where(visible[:, None, None], s / jnp.sqrt(d), _MASKED)
-    top = s.max(-1, keepdims=True)
-    w = jnp.exp(s - top)
-    out = jnp.einsum("nkgtc,kcd->ntkgd", w, v32) if shared else _weighted(w, v32)
-    to_rows = lambda x: x[..., 0].transpose(0, 3, 1, 2)  # noqa: E731  [N, Hkv, G, T] -> [N, T, Hkv, G]
-    return Partial(out, to_rows(top), to_rows(w.sum(-1, keepdims=True)))
+    if k.ndim == 3:  # shared keys: [Hkv, N * T * G queries, D]
+        qm = q5.transpose(2, 0, 1, 3, 4).reshape(hkv, n * t * g, d)
+        s = jnp.einsum("kmd,kcd->kmc", qm, k32).reshape(hkv, n, t, g, -1)
+        seen = visible[None, :, :, None]
+
+        def weigh(w):
+            out = jnp.einsum("kmc,kcd->kmd", w.reshape(hkv, n * t * g, -1), v32)
+            return out.reshape(hkv, n, t, g, d)
+
+        def to_rows(x):  # [Hkv, N, T, G, ...] -> [N, T, Hkv, G, ...]
+            return jnp.moveaxis(x, 0, 2)
+
+    else:  # per-row keys: [N, Hkv, G * T queries, D]
+        per_head = _per_query_head(t, g)
+        qm = q5.transpose(0, 2, 3, 1, 4).reshape(n, hkv, g * t, d)
+        s = _product(qm, k32, "nkmd,nkcd->nkmc", per_head).reshape(n, hkv, g, t, -1)
+        seen = visible[:, None, None]
+
+        def weigh(w):
+            out = _product(w.reshape(n, hkv, g * t, -1), v32, "nkmc,nkcd->nkmd", per_head)
+            return out.reshape(n, hkv, g, t, d)
+
+        def to_rows(x):  # [N, Hkv, G, T, ...] -> [N, T, Hkv, G, ...]
+            return jnp.moveaxis(x, 3, 1)
+
+    s = jnp.where(seen, s / jnp.sqrt(d), _MASKED)
+    top = s.max(-1)
+    w = jnp.exp(s - top[..., None])
+    return Partial(to_rows(weigh(w)), to_rows(top), to_rows(w.sum(-1)))
 
 
 def _per_query_head(t: int, g: int) -> bool:
@@ -65,22 +89,12 @@ def _per_query_head(t: int, g: int) -> bool:
     return t == 1 and g > 1 and jax.default_backend() == "cpu"
 
 
-def _scores(qg: Array, k: Array) -> Array:
-    """qg [N, T, Hkv, G, D] . k [N, Hkv, C, D] -> [N, Hkv, G, T, C]."""
-    _, t, _, g, _ = qg.shape
-    if _per_query_head(t, g):
-        heads = [jnp.einsum("nkd,nkcd->nkc", qg[:, 0, :, j], k) for j in range(g)]
-        return jnp.stack(heads, 2)[:, :, :, None]
-    return jnp.einsum("ntkgd,nkcd->nkgtc", qg, k)
-
-
-def _weighted(w: Array, v: Array) -> Array:
-    """w [N, Hkv, G, T, C] . v [N, Hkv, C, D] -> [N, T, Hkv, G, D]."""
-    _, _, g, t, _ = w.shape
-    if _per_query_head(t, g):
-        heads = [jnp.einsum("nkc,nkcd->nkd", w[:, :, j, 0], v) for j in range(g)]
-        return jnp.stack(heads, 2)[:, None]
-    return jnp.einsum("nkgtc,nkcd->ntkgd", w, v)
+def _product(a: Array, b: Array, spec: str, per_head: bool) -> Array:
+    """A per-row product `spec` over [N, Hkv, M, ...] operands, or (per_head) one per M row."""
+    if not per_head:
+        return jnp.einsum(spec, a, b)
+    one = spec.replace("m", "")
+    return jnp.stack([jnp.einsum(one, a[:, :, j], b) for j in range(a.shape[2])], 2)
 
 
 def merge(parts: list[Partial], dtype) -> Array:

@@ -1,0 +1,178 @@
+"""Every pass kind against this machine's roofline, measured in one process.
+
+First the machine: read bandwidth (a jitted sum over float32 arrays of 16, 64 and 256 MiB; the
+best counts) and matmul peak (a jitted 2048 x 2048 float32 matmul). Then each pass over a grid,
+on the tiny model with 2 and 4 KV heads and on the `small` model:
+  decode   slots 1..64 x context 64..1024 (every slot decoding at that context);
+  prefill  1..16 prompts x 16..512 tokens (from position 0);
+  mixed    token budgets 64..512 on 16 slots: 15 decodes at context 256 and one prompt chunk
+           filling the budget, starting at position 128 (a second chunk).
+Per shape it prints the median pass time, the bytes and FLOPs the pass needs, and the share of
+the roofline it reaches: max(bytes / bandwidth, FLOPs / peak) / time.
+  bytes: every weight once (float32; embedding rows used only), the K/V of every cached position
+         a request reads (once per request, whatever its rows) and of every position it writes;
+  FLOPs: 2 x matmul weights per token fed (the LM head per sampled row), attention 4 x heads x
+         head_dim per (query, visible key) pair.
+Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import decode_plan, median, model_spec
+
+from jaxbatch.backend.runner import Runner
+from jaxbatch.model.spec import ModelSpec
+from jaxbatch.model.transformer import init_params
+from jaxbatch.sched.state import MIXED, PREFILL, Plan
+
+MIXED_SLOTS, MIXED_CONTEXT, CHUNK_START = 16, 256, 128
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a pass must do, whatever its padding: tokens fed, rows sampled, cached positions
+    read (once per request), and (query, visible key) pairs of attention."""
+
+    tokens: int
+    sampled: int
+    kv_read: int
+    pairs: int
+
+    def bytes(self, spec: ModelSpec) -> float:
+        weights = 4 * (spec.n_layers * layer_params(spec) + spec.vocab_size * spec.d_model)
+        embed = 4 * self.tokens * spec.d_model
+        return weights + embed + spec.kv_bytes_per_token * (self.kv_read + self.tokens)
+
+    def flops(self, spec: ModelSpec) -> float:
+        matmul = 2 * self.tokens * spec.n_layers * layer_params(spec)
+        head = 2 * self.sampled * spec.d_model * spec.vocab_size
+        attention = 4 * spec.n_heads * spec.head_dim * self.pairs * spec.n_layers
+        return matmul + head + attention
+
+
+def layer_params(spec: ModelSpec) -> int:
+    """Matmul weights of one layer: Q, K, V, O and the SwiGLU MLP."""
+    attn = spec.d_model * spec.head_dim * (2 * spec.n_heads + 2 * spec.n_kv_heads)
+    return attn + 3 * spec.d_model * spec.d_mlp
+
+
+def bench(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def machine(repeats: int) -> tuple[float, float]:
+    """(read bytes/s, matmul FLOP/s), the best this process reaches."""
+    total = jax.jit(jnp.sum)
+    bw = []
+    for mib in (16, 64, 256):
+        x = jnp.ones(mib * 2**20 // 4, jnp.float32)
+        bw.append(mib * 2**20 / bench(lambda x=x: total(x), 4 * repeats))
+    a = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    peak = 2 * 2048**3 / bench(lambda: matmul(a), repeats)
+    return max(bw), peak
+
+
+def runner_for(spec: ModelSpec, slots: int, prompt_len: int) -> Runner:
+    prompts = np.zeros((slots, spec.max_len), np.int32)
+    lens = np.full(slots, prompt_len, np.int32)
+    return Runner(spec, init_params(spec, 0), slots, prompts, lens, mixed_rows=512)
+
+
+def plan(kind: int, num_tokens, start, slots: int) -> Plan:
+    i32 = lambda x: np.broadcast_to(np.asarray(x, np.int32), (slots,)).copy()  # noqa: E731
+    return Plan(np.arange(slots, dtype=np.int32), i32(num_tokens), i32(start), np.int32(kind),
+                np.float32(0), np.zeros((slots, 0), np.int32))  # fmt: skip
+
+
+def timed(runner: Runner, p: Plan, repeats: int) -> tuple[float, str]:
+    shape = runner.buckets.shape_of(p)
+    runner.warmup([shape])
+    t = bench(lambda: runner.execute(p, shape)[0], repeats)
+    return t, f"{shape.rows}x{shape.tokens} ctx {shape.context}"
+
+
+def grid(spec: ModelSpec, kinds: list[str], repeats: int):
+    """(kind, shape label, seconds, Work) for every pass of the grid."""
+    if "decode" in kinds:
+        for slots in (1, 4, 16, 64):
+            r = runner_for(spec, slots, 8)
+            for ctx in (64, 256, 1024):
+                t, label = timed(r, decode_plan(slots, ctx - 1), repeats)
+                yield (
+                    "decode",
+                    f"{slots} slots, context {ctx}",
+                    t,
+                    Work(slots, slots, slots * (ctx - 1), slots * ctx),
+                )
+    if "prefill" in kinds:
+        for prompts in (1, 4, 16):
+            for tokens in (16, 64, 256, 512):
+                r = runner_for(spec, prompts, tokens)
+                t, _ = timed(r, plan(PREFILL, tokens, 0, prompts), max(2, repeats // 4))
+                pairs = prompts * tokens * (tokens + 1) // 2
+                yield (
+                    "prefill",
+                    f"{prompts} x {tokens} tokens",
+                    t,
+                    Work(prompts * tokens, prompts, 0, pairs),
+                )
+    if "mixed" in kinds:
+        r = runner_for(spec, MIXED_SLOTS, CHUNK_START + 512)
+        decodes = MIXED_SLOTS - 1
+        for budget in (64, 128, 256, 512):
+            chunk = budget - decodes
+            num = [1] * decodes + [chunk]
+            start = [MIXED_CONTEXT - 1] * decodes + [CHUNK_START]
+            t, _ = timed(r, plan(MIXED, num, start, MIXED_SLOTS), max(2, repeats // 2))
+            chunk_pairs = chunk * CHUNK_START + chunk * (chunk + 1) // 2
+            work = Work(budget, MIXED_SLOTS, decodes * (MIXED_CONTEXT - 1) + CHUNK_START,
+                        decodes * MIXED_CONTEXT + chunk_pairs)  # fmt: skip
+            yield "mixed", f"budget {budget}: {decodes} decodes + {chunk}-token chunk", t, work
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--models", default="tiny-kv2,tiny-kv4,small")
+    ap.add_argument("--kinds", default="decode,prefill,mixed")
+    args = ap.parse_args()
+    bw, peak = machine(args.repeats)
+    print(f"machine: read {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s "
+          f"(balance {peak / bw:.1f} FLOP/byte), backend {jax.default_backend()}")  # fmt: skip
+    best: dict[str, float] = {}
+    for name in args.models.split(","):
+        spec = model_spec(name)
+        print(f"\n{name}: {spec.num_params / 1e6:.1f}M parameters, {spec.n_heads} heads / "
+              f"{spec.n_kv_heads} KV heads")  # fmt: skip
+        print(f"  {'kind':<8}{'shape':<42}{'ms':>9}{'MB':>9}{'GFLOP':>9}  bound   roof ms  share")
+        for kind, label, t, work in grid(spec, args.kinds.split(","), args.repeats):
+            nbytes, flops = work.bytes(spec), work.flops(spec)
+            roof = max(nbytes / bw, flops / peak)
+            share = roof / t
+            best[kind] = max(best.get(kind, 0.0), share)
+            bound = "memory " if nbytes / bw >= flops / peak else "compute"
+            print(f"  {kind:<8}{label:<42}{1e3 * t:9.2f}{nbytes / 1e6:9.1f}{flops / 1e9:9.2f}  "
+                  f"{bound} {1e3 * roof:8.2f} {share:6.1%}")  # fmt: skip
+    if best:
+        top = max(best.values())
+        print("\nbest share per kind: " + ", ".join(f"{k} {v:.1%}" for k, v in best.items()))
+        print("furthest kind from the best: " + ", ".join(
+            f"{k} {top / v:.1f}x" for k, v in best.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
