@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.backend.buckets import PassShape
 from jaxbatch.backend.compilation import cache_counts, num_compiles
 from jaxbatch.backend.runner import (
     PassOut,
@@ -69,7 +68,12 @@ def run_fused(
         def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
             def run():
                 return _padded(
-                    _forward(*args, *flat, shape=PassShape(rows, 1, context, flat=True), **common)
+                    _forward(
+                        *args,
+                        *flat,
+                        shape=runner.buckets.flat(rows, context, any_plan=True),
+                        **common,
+                    )
                 )
 
             return run
@@ -83,7 +87,7 @@ def run_fused(
         def _padded(forward) -> PassOut:  # each slot's token is [b] in every branch
             _, out = forward
             # The write after the switch needs only where rows go, not how attention tiled them.
-            index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0)
+            index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0, num_slots=0)
             rows_of = out.replace(index=index, tokens=None)
             return jax.tree.map(partial(_pad_rows, width=width), rows_of).replace(tokens=out.tokens)
 

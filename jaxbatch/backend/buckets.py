@@ -19,7 +19,7 @@ def pow2_at_least(n: int, lo: int, hi: int) -> int:
     return min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length()))
 
 
-QUERY_TILE = 32  # rows of a flat pass that read their slot's cached context together
+QUERY_TILE = 32  # rows of a prompt chunk that read their slot's cached context together
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,12 @@ class PassShape:
     context: int
     all_slots: bool = False  # row i is slot i (decode over every slot)
     flat: bool = False  # one row per fed token, laid out from the plan on the device (mixed)
+    tiles: int = 0  # flat: query tiles of QUERY_TILE rows for the rows of prompt chunks
 
-    def query_tiles(self, num_slots: int) -> tuple[int, int]:
-        """(tiles, rows per tile) of a flat pass's attention: a slot's k rows take ceil(k / tile)
-        tiles, so `num_slots` + rows / tile tiles hold any pass. (0, 0) for other shapes."""
-        if not self.flat:
-            return 0, 0
-        tile = min(QUERY_TILE, self.rows)
-        return min(self.rows, num_slots + -(-self.rows // tile)), tile
+
+def chunk_tiles(num_tokens: np.ndarray) -> int:
+    """Query tiles a flat pass needs: each slot's rows but its last, QUERY_TILE to a tile."""
+    return int((-(-np.maximum(num_tokens - 1, 0) // QUERY_TILE)).sum())
 
 
 def decode_fits(plan: Plan, shape: PassShape):
@@ -73,10 +71,21 @@ class Buckets:
         context = self.length(max_end) if max_start else 0
         return PassShape(self.count(count), self.length(max_tokens), context)
 
-    def mixed(self, total_tokens: int, max_end: int) -> PassShape:
-        """A flattened pass: one row per token, padded to a power of two."""
-        rows = pow2_at_least(total_tokens, self.min_len, self.mixed_rows or 1 << 30)
-        return PassShape(rows, 1, self.length(max_end), flat=True)
+    def flat(self, rows: int, context: int, any_plan: bool = False) -> PassShape:
+        """A flat pass of `rows` rows and its query tiles: rows / QUERY_TILE, or with
+        `any_plan` as many as any plan of that many tokens can need (num_slots more)."""
+        tiles = max(1, rows // QUERY_TILE) + (self.num_slots if any_plan else 0)
+        return PassShape(rows, 1, context, flat=True, tiles=tiles)
+
+    def mixed(self, total_tokens: int, max_end: int, tiles: int) -> PassShape:
+        """A flattened pass: one row per token, padded to a power of two, or beyond where its
+        prompt chunks need more query tiles (many short chunks in one pass); at the token
+        budget's bucket, the shape with tiles for any plan."""
+        cap = self.mixed_rows or 1 << 30
+        rows = pow2_at_least(total_tokens, self.min_len, cap)
+        while rows < cap and self.flat(rows, 0).tiles < tiles:
+            rows *= 2
+        return self.flat(rows, self.length(max_end), any_plan=self.flat(rows, 0).tiles < tiles)
 
     def shape_of(self, plan: Plan) -> PassShape:
         """The bucketed shape of a host-side (numpy) plan."""
@@ -85,7 +94,7 @@ class Buckets:
         if int(plan.kind) == DECODE:
             return self.decode(max_end)
         if int(plan.kind) == MIXED:
-            return self.mixed(int(plan.num_tokens.sum()), max_end)
+            return self.mixed(int(plan.num_tokens.sum()), max_end, chunk_tiles(plan.num_tokens))
         max_start = int(plan.start_pos[active].max())
         return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end, max_start)
 
@@ -105,7 +114,8 @@ class Buckets:
         if self.mixed_rows:
             rows = _pow2_range(self.min_len, self.mixed_rows)
             contexts = _pow2_range(self.min_len, longest)
-            mixed = [PassShape(r, 1, c, flat=True) for r, c in itertools.product(rows, contexts)]
+            mixed = [self.flat(r, c) for r, c in itertools.product(rows, contexts)]
+            mixed += [self.flat(self.mixed_rows, c, any_plan=True) for c in contexts]
             return mixed + decodes
         lengths = {self.length(p) for p in prompt_len}
         if recompute:

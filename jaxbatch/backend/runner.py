@@ -19,7 +19,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jaxbatch.backend.buckets import Buckets, PassShape, decode_fits
+from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
 from jaxbatch.model.kvcache import (
     CacheIndex,
     PagedCache,
@@ -89,8 +89,7 @@ def _forward(
     tokens = token_buf.at[row_req[:, None], positions].get(mode="clip")
     table = row_table if isinstance(cache, PagedCache) else None
     slots = None if shape.all_slots else row_slot
-    tiles, tile = shape.query_tiles(num_slots)
-    index = CacheIndex(slots, positions, valid, table, tiles=tiles, tile=tile)
+    index = CacheIndex(slots, positions, valid, table, shape.tiles, QUERY_TILE, num_slots)
     logits, (ks, vs), cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
         logit_index=jnp.maximum(row_len - 1, 0), write=write,

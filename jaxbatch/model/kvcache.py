@@ -39,9 +39,9 @@ def _write_all(cache, ks: tuple[Array, ...], vs: tuple[Array, ...], index: Cache
 class CacheIndex:
     """Where the rows of a pass live in the cache. Shapes: rows N, tokens per row T.
 
-    A row holds one slot's tokens. In a flat pass (`tiles` > 0: one token per row, a slot's rows
-    consecutive) attention groups each slot's rows into query tiles of `tile` rows, so a slot's
-    cached context is read once per tile instead of once per row."""
+    A row holds one slot's tokens. A flat pass (`tiles` > 0) has one token per row and a slot's
+    rows consecutive: attention reads each of `num_slots` slots' context once for its last row,
+    and once per query tile of `tile` rows for the others (a prompt chunk's)."""
 
     slots: Array | None  # [N] int32 (a padding row: out of range); None: row i is slot i
     positions: Array  # [N, T] int32; the position of each token in its sequence
@@ -49,6 +49,7 @@ class CacheIndex:
     block_table: Array | None = None  # [N, max_blocks] i32 each row's blocks (paged layout)
     tiles: int = struct.field(pytree_node=False, default=0)  # query tiles of a flat pass
     tile: int = struct.field(pytree_node=False, default=0)  # rows per query tile
+    num_slots: int = struct.field(pytree_node=False, default=0)  # slots of a flat pass
 
     @property
     def row_slots(self) -> Array:

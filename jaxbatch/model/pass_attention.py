@@ -3,15 +3,15 @@
 Rows come in three layouts (see `CacheIndex`): every slot one row of one token (decode), one row
 per slot of several tokens (prefill), and flat rows of one token each with a slot's rows
 consecutive (the mixed pass of selective batching). A flat pass reads each slot's cached context
-once per query tile of consecutive rows (as ragged paged attention kernels do with their query
-blocks), never once per row. A pass that wrote its K/V into the cache before attending
-(`written`) attends over the cache alone; one that only reads the cache attends over the context
-its slots cached before it plus its own keys. Never writes the cache.
+once for the slot's last row, and once per query tile of a prompt chunk's other rows (as ragged
+paged attention kernels do with their query blocks), never once per row. A pass that wrote its
+K/V into the cache before attending (`written`) attends over the cache alone; one that only reads
+the cache attends over the context its slots cached before it plus its own keys. Never writes the
+cache.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import Array
 
@@ -33,7 +33,7 @@ def pass_attention(
     positions read per row (0: none, a pass whose rows all start at position 0)."""
     parts = []
     if ctx_len:
-        read = _cached_tiles if index.tiles else _cached_rows
+        read = _cached_flat if index.tiles else _cached_rows
         parts.append(read(q, cache, layer, index, ctx_len, written))
     if not (written and ctx_len):
         parts.append(_own(q, k, v, index))
@@ -58,34 +58,53 @@ def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     return partial(q, k_ctx, v_ctx, seen)
 
 
-def _cached_tiles(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool) -> Partial:
-    """A flat pass: group each slot's consecutive rows into tiles of `index.tile` rows, read the
-    context once per tile, and give each row its tile's result."""
-    r, size = index.positions.shape[0], index.tile
+def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool) -> Partial:
+    """A flat pass. Each slot's last row (a decode's only row, a chunk's last) reads its slot's
+    context once, one query per slot as in a decode pass; the slot's other rows (a prompt
+    chunk's) read it once per tile of `index.tile` consecutive rows. Each row gets its result."""
+    r, size, b = index.positions.shape[0], index.tile, index.num_slots
     rows = jnp.arange(r)
     slot, valid, pos = index.row_slots, index.valid[:, 0], index.positions[:, 0]
-    run_starts = valid & ((rows == 0) | (slot != jnp.roll(slot, 1)))
-    run_start = jax.lax.cummax(jnp.where(run_starts, rows, 0))  # the slot's first row
-    offset = rows - run_start
-    tile_starts = valid & (offset % size == 0)
-    tile_of = jnp.cumsum(tile_starts) - 1  # each row's tile
+    first_row = jnp.full(b, r, jnp.int32).at[slot].min(rows, mode="drop")
+    last_row = jnp.full(b, -1, jnp.int32).at[slot].max(rows, mode="drop")
+    held = last_row >= 0
+    last = jnp.maximum(last_row, 0)
+    slot_ok = jnp.minimum(slot, b - 1)
+    is_last = valid & (last_row[slot_ok] == rows)
+    first_pos = pos[jnp.minimum(first_row, r - 1)]  # the first position this pass feeds per slot
+
+    # Every slot's last row, row s = slot s: the decode pass's layout and read.
+    table = None if index.block_table is None else index.block_table[last]
+    group = CacheIndex(None, pos[last][:, None], held[:, None], table)
+    k_ctx, v_ctx = cache.read(layer, group, ctx_len)
+    seen = _visible(jnp.arange(ctx_len), group.positions, first_pos, written)
+    by_slot = partial(q[last], k_ctx, v_ctx, seen)  # [slots, 1, ...]
+
+    # The other rows, tiled within their slot.
+    chunk = valid & ~is_last
+    offset = rows - first_row[slot_ok]
+    tile_starts = chunk & (offset % size == 0)
+    tile_of = jnp.cumsum(tile_starts) - 1
     tile_row0 = jnp.full(index.tiles, r, jnp.int32)
     tile_row0 = tile_row0.at[jnp.where(tile_starts, tile_of, index.tiles)].set(rows, mode="drop")
     members = tile_row0[:, None] + jnp.arange(size)  # [tiles, size] row ids
-    member_ok = (members < r) & valid.at[members].get(mode="fill", fill_value=False)
-    member_ok &= (
+    in_tile = (
         tile_of.at[members].get(mode="fill", fill_value=-1) == jnp.arange(index.tiles)[:, None]
     )
+    member_ok = chunk.at[members].get(mode="fill", fill_value=False) & in_tile
     members = jnp.minimum(members, r - 1)
     head = jnp.minimum(tile_row0, r - 1)
     table = None if index.block_table is None else index.block_table[head]
-    tiles = CacheIndex(slots=slot[head], positions=pos[members], valid=member_ok, block_table=table)
+    tiles = CacheIndex(slot[head], pos[members], member_ok, table)
     k_ctx, v_ctx = cache.read(layer, tiles, ctx_len)
-    first = pos[run_start][head]  # the first position this pass feeds for the tile's slot
-    seen = _visible(jnp.arange(ctx_len), tiles.positions, first, written)
+    seen = _visible(jnp.arange(ctx_len), tiles.positions, first_pos[slot_ok[head]], written)
     tiled = partial(q[members, 0], k_ctx, v_ctx, seen)  # [tiles, size, ...]
-    at = (jnp.maximum(tile_of, 0), offset % size)
-    return Partial(*(x[at][:, None] for x in tiled))
+
+    at_tile = (jnp.clip(tile_of, 0, index.tiles - 1), offset % size)
+    pick = lambda x, y: jnp.where(  # noqa: E731
+        is_last.reshape(-1, *([1] * (x.ndim - 2))), x[slot_ok][:, 0], y[at_tile]
+    )[:, None]
+    return Partial(*(pick(x, y) for x, y in zip(by_slot, tiled)))
 
 
 def _own(q, k, v, index: CacheIndex) -> Partial:
