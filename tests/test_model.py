@@ -53,9 +53,9 @@ def test_padding_rows_write_nothing(spec, params):
     w = make_workload([20, 5], [4, 4])
     runner = Runner(spec, params, 2, w.prompts(spec.vocab_size, spec.max_len), w.prompt_len)
     _execute(runner, [0, 1], [20, 5], [0, 0], PREFILL)
-    before = [np.asarray(k).copy() for k in runner.cache.k]
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(runner.cache)]
     buf_before = np.asarray(runner.token_buf).copy()
     runner.warmup(Buckets(2, spec.max_len).for_workload(w.prompt_len, w.max_new))
-    for a, b in zip(before, runner.cache.k):
+    for a, b in zip(before, jax.tree.leaves(runner.cache)):
         np.testing.assert_array_equal(a, np.asarray(b))
     np.testing.assert_array_equal(buf_before, np.asarray(runner.token_buf))

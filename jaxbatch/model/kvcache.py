@@ -23,9 +23,16 @@ from jaxbatch.model.spec import ModelSpec
 def _put(cache, layer: int, scatter, k: Array, v: Array):
     """The cache with one layer's K and V replaced by `scatter(old, new)`; new: [N, T, H, D]."""
     ks, vs = list(cache.k), list(cache.v)
-    ks[layer] = scatter(ks[layer], k.astype(ks[layer].dtype))
-    vs[layer] = scatter(vs[layer], v.astype(vs[layer].dtype))
+    ks[layer], vs[layer] = scatter(ks[layer], k), scatter(vs[layer], v)
     return cache.replace(k=tuple(ks), v=tuple(vs))
+
+
+def segment_bounds(max_len: int, first: int = 64, last: int = 256) -> list[int]:
+    """[0, first, 2 first, ..., last, max_len]: the slot layout's position segments."""
+    bounds = [0, min(first, max_len)]
+    while bounds[-1] < min(last, max_len):
+        bounds.append(min(2 * bounds[-1], max_len))
+    return bounds + ([max_len] if bounds[-1] < max_len else [])
 
 
 def _write_all(cache, ks: tuple[Array, ...], vs: tuple[Array, ...], index: CacheIndex):
@@ -59,32 +66,52 @@ class CacheIndex:
 
 @struct.dataclass
 class SlotCache:
-    """Per layer K and V of shape [num_slots, kv_heads, max_len, head_dim]."""
+    """Per layer, K and V in position segments [0, 64), [64, 128), [128, 256), ... (see
+    `segment_bounds`), each [num_slots, kv_heads, segment_len, head_dim]. A pass reading C
+    positions takes the whole segments below C as they are: XLA's CPU dot reads only contiguous
+    operands, so a prefix slice of one [.., max_len, ..] array was copied first, and that copy
+    was half of a decode pass (16 slots x 256 positions, 4 KV heads)."""
 
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    k: tuple[tuple[Array, ...], ...]
+    v: tuple[tuple[Array, ...], ...]
 
     @property
     def num_slots(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0][0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return sum(seg.shape[2] for seg in self.k[0])
 
-    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
-        """Each row's first ctx_len cached positions of one layer: K, V [N, H, ctx_len, D]."""
-        if index.slots is None:  # every slot in order (decode): a slice XLA can fuse, no gather
-            return self.k[layer][:, :, :ctx_len], self.v[layer][:, :, :ctx_len]
-        k = self.k[layer].at[index.slots, :, :ctx_len].get(mode="clip")
-        return k, self.v[layer].at[index.slots, :, :ctx_len].get(mode="clip")
+    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> list[tuple[Array, Array, int]]:
+        """Each row's cached positions of one layer, at least the first ctx_len: a list of
+        (K, V [N, H, segment_len, D], the segment's first position)."""
+        out, start = [], 0
+        for k, v in zip(self.k[layer], self.v[layer]):
+            if start >= ctx_len:
+                break
+            if index.slots is not None:  # the rows' slots (decode: every slot in order, as is)
+                k, v = k.at[index.slots].get(mode="clip"), v.at[index.slots].get(mode="clip")
+            out.append((k, v, start))
+            start += k.shape[2]
+        return out
 
     def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> SlotCache:
         """Store one layer's K/V of a pass ([N, T, H, D]) at its rows' positions."""
         # Padding tokens go to an out-of-range position and are dropped, never overwriting a slot.
         pos = jnp.where(index.valid, index.positions, self.max_len)
         rows = jnp.broadcast_to(index.row_slots[:, None], pos.shape)
-        return _put(self, layer, lambda old, new: old.at[rows, :, pos].set(new, mode="drop"), k, v)
+
+        def scatter(segments, new):
+            out, start = [], 0
+            for seg in segments:
+                n = seg.shape[2]
+                at = jnp.where((pos >= start) & (pos < start + n), pos - start, n)
+                out.append(seg.at[rows, :, at].set(new.astype(seg.dtype), mode="drop"))
+                start += n
+            return tuple(out)
+
+        return _put(self, layer, scatter, k, v)
 
     write = _write_all
 
@@ -101,8 +128,9 @@ class PagedCache:
     def block_size(self) -> int:
         return self.k[0].shape[2]
 
-    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> tuple[Array, Array]:
-        """Each row's first ctx_len cached positions of one layer: K, V [N, H, ctx_len, D]."""
+    def read(self, layer: int, index: CacheIndex, ctx_len: int) -> list[tuple[Array, Array, int]]:
+        """Each row's first ctx_len cached positions of one layer, as one segment:
+        [(K, V [N, H, ctx_len, D], 0)]."""
         bs = self.block_size
         n_read = -(-ctx_len // bs)
         blocks = index.block_table[:, :n_read]  # [N, n_read]; past a row's length: masked later
@@ -114,7 +142,7 @@ class PagedCache:
             n, h, _, _, d = ctx.shape
             return ctx.reshape(n, h, n_read * bs, d)[:, :, :ctx_len]
 
-        return gather(self.k[layer]), gather(self.v[layer])
+        return [(gather(self.k[layer]), gather(self.v[layer]), 0)]
 
     def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> PagedCache:
         bs, num_blocks = self.block_size, self.k[0].shape[0]
@@ -125,7 +153,11 @@ class PagedCache:
         block = jnp.where(index.valid & (block >= 0), block, num_blocks)
         offset = index.positions % bs
         return _put(
-            self, layer, lambda old, new: old.at[block, :, offset].set(new, mode="drop"), k, v
+            self,
+            layer,
+            lambda old, new: old.at[block, :, offset].set(new.astype(old.dtype), mode="drop"),
+            k,
+            v,
         )
 
     write = _write_all
@@ -138,6 +170,15 @@ def init_paged_cache(spec: ModelSpec, num_blocks: int, block_size: int) -> Paged
 
 
 def init_slot_cache(spec: ModelSpec, num_slots: int) -> SlotCache:
-    shape = (num_slots, spec.n_kv_heads, spec.max_len, spec.head_dim)
-    zeros = tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.n_layers))
-    return SlotCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
+    bounds = segment_bounds(spec.max_len)
+
+    def layer():
+        return tuple(
+            jnp.zeros((num_slots, spec.n_kv_heads, hi - lo, spec.head_dim), spec.jnp_dtype)
+            for lo, hi in zip(bounds, bounds[1:])
+        )
+
+    return SlotCache(
+        k=tuple(layer() for _ in range(spec.n_layers)),
+        v=tuple(layer() for _ in range(spec.n_layers)),
+    )

@@ -34,7 +34,7 @@ def pass_attention(
     parts = []
     if ctx_len:
         read = _cached_flat if index.tiles else _cached_rows
-        parts.append(read(q, cache, layer, index, ctx_len, written))
+        parts += read(q, cache, layer, index, ctx_len, written)
     if not (written and ctx_len):
         parts.append(_own(q, k, v, index))
     return merge(parts, q.dtype)
@@ -51,14 +51,21 @@ def _visible(kv_pos: Array, q_pos: Array, first: Array, written: bool) -> Array:
     )
 
 
-def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool) -> Partial:
+def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, written: bool):
+    """The rows' partials over their slots' cached context, one per segment the cache holds it
+    in. `first`: per row, the first position this pass feeds for its slot."""
+    return [
+        partial(q, k, v, _visible(start + jnp.arange(k.shape[2]), index.positions, first, written))
+        for k, v, start in cache.read(layer, index, ctx_len)
+    ]
+
+
+def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool):
     """Each row is its slot's only row: it reads its slot's context once."""
-    k_ctx, v_ctx = cache.read(layer, index, ctx_len)
-    seen = _visible(jnp.arange(ctx_len), index.positions, index.positions[:, 0], written)
-    return partial(q, k_ctx, v_ctx, seen)
+    return _read(q, cache, layer, index, ctx_len, index.positions[:, 0], written)
 
 
-def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool) -> Partial:
+def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool):
     """A flat pass. Each slot's last row (a decode's only row, a chunk's last) reads its slot's
     context once, one query per slot as in a decode pass; the slot's other rows (a prompt
     chunk's) read it once per tile of `index.tile` consecutive rows. Each row gets its result."""
@@ -76,9 +83,7 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     # Every slot's last row, row s = slot s: the decode pass's layout and read.
     table = None if index.block_table is None else index.block_table[last]
     group = CacheIndex(None, pos[last][:, None], held[:, None], table)
-    k_ctx, v_ctx = cache.read(layer, group, ctx_len)
-    seen = _visible(jnp.arange(ctx_len), group.positions, first_pos, written)
-    by_slot = partial(q[last], k_ctx, v_ctx, seen)  # [slots, 1, ...]
+    by_slot = _read(q[last], cache, layer, group, ctx_len, first_pos, written)  # [slots, 1, ..]
 
     # The other rows, tiled within their slot.
     chunk = valid & ~is_last
@@ -96,15 +101,16 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     head = jnp.minimum(tile_row0, r - 1)
     table = None if index.block_table is None else index.block_table[head]
     tiles = CacheIndex(slot[head], pos[members], member_ok, table)
-    k_ctx, v_ctx = cache.read(layer, tiles, ctx_len)
-    seen = _visible(jnp.arange(ctx_len), tiles.positions, first_pos[slot_ok[head]], written)
-    tiled = partial(q[members, 0], k_ctx, v_ctx, seen)  # [tiles, size, ...]
+    tiled = _read(q[members, 0], cache, layer, tiles, ctx_len, first_pos[slot_ok[head]], written)
 
     at_tile = (jnp.clip(tile_of, 0, index.tiles - 1), offset % size)
     pick = lambda x, y: jnp.where(  # noqa: E731
         is_last.reshape(-1, *([1] * (x.ndim - 2))), x[slot_ok][:, 0], y[at_tile]
     )[:, None]
-    return Partial(*(pick(x, y) for x, y in zip(by_slot, tiled)))
+    return [
+        Partial(*(pick(x, y) for x, y in zip(group_part, tile_part)))
+        for group_part, tile_part in zip(by_slot, tiled)
+    ]
 
 
 def _own(q, k, v, index: CacheIndex) -> Partial:
