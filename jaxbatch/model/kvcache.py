@@ -85,13 +85,16 @@ class SlotCache:
 
     def read(self, layer: int, index: CacheIndex, ctx_len: int) -> list[tuple[Array, Array, int]]:
         """Each row's cached positions of one layer, at least the first ctx_len: a list of
-        (K, V [N, H, segment_len, D], the segment's first position)."""
+        (K, V [N, H, positions, D], the segment's first position). Every slot in order (decode)
+        reads whole segments in place; rows of chosen slots gather only the first ctx_len."""
         out, start = [], 0
         for k, v in zip(self.k[layer], self.v[layer]):
             if start >= ctx_len:
                 break
-            if index.slots is not None:  # the rows' slots (decode: every slot in order, as is)
-                k, v = k.at[index.slots].get(mode="clip"), v.at[index.slots].get(mode="clip")
+            if index.slots is not None:  # a gather copies anyway: only the positions needed
+                end = min(k.shape[2], ctx_len - start)
+                k = k.at[index.slots, :, :end].get(mode="clip")
+                v = v.at[index.slots, :, :end].get(mode="clip")
             out.append((k, v, start))
             start += k.shape[2]
         return out
