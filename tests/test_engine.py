@@ -109,10 +109,11 @@ def test_a_decode_pass_on_a_plan_it_does_not_fit_changes_nothing(spec, params):
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     table = np.zeros((2, 0), np.int32)
     shape = runner.buckets.decode(16)
+    past = shape.context  # slot 1's token goes one position past the shape's context
     before = jax.tree.map(np.asarray, (runner.cache, runner.token_buf))
-    for plan in (  # a prefill plan; a decode plan reading past the shape's 16 positions
+    for plan in (  # a prefill plan; a decode plan reading past the shape's context
         Plan(i32([0, 1]), i32([6, 20]), i32([0, 0]), np.int32(PREFILL), np.float32(0), table),
-        Plan(i32([0, 1]), i32([1, 1]), i32([6, 20]), np.int32(DECODE), np.float32(0), table),
+        Plan(i32([0, 1]), i32([1, 1]), i32([6, past]), np.int32(DECODE), np.float32(0), table),
     ):
         tokens, _ = runner.decode(plan, shape)
         np.testing.assert_array_equal(tokens, [-1, -1])

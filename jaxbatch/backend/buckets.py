@@ -56,19 +56,25 @@ class Buckets:
     # The most rows of a mixed pass (a token budget's bucket), set for the budgeted policies,
     # whose prompt tokens all run in mixed passes; 0: the policy runs no mixed pass.
     mixed_rows: int = 0
+    # The smallest context bucket (0: min_len). The slot cache's first segment: an in-place
+    # read takes whole segments, so a shorter context costs the same and needs no shape of its own.
+    min_context: int = 0
 
     def length(self, n: int) -> int:
         return pow2_at_least(n, self.min_len, self.max_len)
+
+    def context(self, n: int) -> int:
+        return pow2_at_least(n, max(self.min_len, self.min_context), self.max_len)
 
     def count(self, n: int) -> int:
         return pow2_at_least(n, 1, self.num_slots)
 
     def decode(self, max_end: int) -> PassShape:
-        return PassShape(self.num_slots, 1, self.length(max_end), all_slots=True)
+        return PassShape(self.num_slots, 1, self.context(max_end), all_slots=True)
 
     def prefill(self, count: int, max_tokens: int, max_end: int, max_start: int = 0) -> PassShape:
         """Prompts that all start at position 0 read no cached context."""
-        context = self.length(max_end) if max_start else 0
+        context = self.context(max_end) if max_start else 0
         return PassShape(self.count(count), self.length(max_tokens), context)
 
     def flat(self, rows: int, context: int, any_plan: bool = False) -> PassShape:
@@ -85,7 +91,7 @@ class Buckets:
         rows = pow2_at_least(total_tokens, self.min_len, cap)
         while rows < cap and self.flat(rows, 0).tiles < tiles:
             rows *= 2
-        return self.flat(rows, self.length(max_end), any_plan=self.flat(rows, 0).tiles < tiles)
+        return self.flat(rows, self.context(max_end), any_plan=self.flat(rows, 0).tiles < tiles)
 
     def shape_of(self, plan: Plan) -> PassShape:
         """The bucketed shape of a host-side (numpy) plan."""
@@ -106,20 +112,20 @@ class Buckets:
         With `recompute` (preemption), a prefill may also hold a prompt and its outputs."""
         if len(prompt_len) == 0:
             return []
-        longest = self.length(int(np.max(prompt_len + max_new)))
-        lo = self.length(int(np.min(prompt_len)) + 1)
+        longest = int(np.max(prompt_len + max_new))
+        top = self.context(longest)
         decodes = [
-            self.decode(c) for c in sorted({self.length(c) for c in _pow2_range(lo, longest)})
+            self.decode(c) for c in _pow2_range(self.context(int(np.min(prompt_len)) + 1), top)
         ]
         if self.mixed_rows:
             rows = _pow2_range(self.min_len, self.mixed_rows)
-            contexts = _pow2_range(self.min_len, longest)
+            contexts = _pow2_range(self.context(1), top)
             mixed = [self.flat(r, c) for r, c in itertools.product(rows, contexts)]
             mixed += [self.flat(self.mixed_rows, c, any_plan=True) for c in contexts]
             return mixed + decodes
         lengths = {self.length(p) for p in prompt_len}
         if recompute:
-            lengths |= set(_pow2_range(self.length(int(np.min(prompt_len))), longest))
+            lengths |= set(_pow2_range(self.length(int(np.min(prompt_len))), self.length(longest)))
         counts = sorted({self.count(c) for c in range(1, self.num_slots + 1)})
         prefill = [PassShape(c, t, 0) for c, t in itertools.product(counts, sorted(lengths))]
         return prefill + decodes

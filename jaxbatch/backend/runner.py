@@ -26,6 +26,7 @@ from jaxbatch.model.kvcache import (
     SlotCache,
     init_paged_cache,
     init_slot_cache,
+    segment_bounds,
 )
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import Transformer
@@ -183,11 +184,11 @@ class Runner:
         mixed_rows: int = 0,
     ):
         self.spec, self.params, self.num_slots = spec, params, num_slots
-        self.buckets = Buckets(
-            num_slots=num_slots, max_len=spec.max_len, min_len=min_bucket, mixed_rows=mixed_rows
-        )
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
+        # Paged reads gather only the blocks a context needs; slot reads take whole segments.
+        min_context = 0 if self.paged else segment_bounds(spec.max_len)[1]
+        self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, min_context)
         self.max_blocks = memory.max_blocks if memory else 0
         self.cache: SlotCache | PagedCache = (
             init_paged_cache(spec, memory.num_blocks, memory.block_size)
