@@ -28,7 +28,7 @@ from jax import Array
 from tqdm.auto import tqdm
 
 from jaxbatch.backend.buckets import PassShape, decode_fits
-from jaxbatch.backend.compilation import cache_counts, num_compiles
+from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan, SchedState
@@ -140,7 +140,7 @@ def run(
     max_passes: int = 10_000_000,
 ) -> RunResult:
     schedule, step = jax.jit(policy.schedule), _stepper(policy)
-    compiles0, hits0, t0 = num_compiles(), cache_counts()[0], time.perf_counter()
+    compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     warm_state, warm_plan = schedule(state, params)
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
@@ -224,6 +224,6 @@ def run(
         warmup_s=warmup_s,
         num_compiles=num_compiles() - compiles0,
         compiles_after_warmup=num_compiles() - compiles_warm,
-        cache_hits=cache_counts()[0] - hits0,
+        cache_hits=cache_hits() - hits0,
         wall_s=wall_s,
     )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.backend.compilation import cache_counts, num_compiles
+from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.backend.runner import (
     PassOut,
     Runner,
@@ -129,7 +129,7 @@ def run_fused(
         init = (st, cache, buf, jnp.int32(0), rec)
         return jax.lax.while_loop(cond, partial(body, weights, warm), init)
 
-    compiles0, hits0, t0 = num_compiles(), cache_counts()[0], time.perf_counter()
+    compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     compiled = jax.jit(loop, donate_argnums=(2, 3)).lower(
         runner.params, state, runner.cache, runner.token_buf, True
     )
@@ -170,6 +170,6 @@ def run_fused(
         warmup_s=compile_s,
         num_compiles=num_compiles() - compiles0,
         compiles_after_warmup=num_compiles() - compiles_warm,
-        cache_hits=cache_counts()[0] - hits0,
+        cache_hits=cache_hits() - hits0,
         wall_s=wall_s,
     )

@@ -14,11 +14,7 @@ import jax
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
 
-_counts = {"requests": 0, "cache_hits": 0, "cache_misses": 0}
-_EVENTS = {
-    "/jax/compilation_cache/cache_hits": "cache_hits",
-    "/jax/compilation_cache/cache_misses": "cache_misses",
-}
+_counts = {"requests": 0, "cache_hits": 0}
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
@@ -28,8 +24,8 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
 
 
 def _on_event(event: str, **kwargs) -> None:
-    if event in _EVENTS:
-        _counts[_EVENTS[event]] += 1
+    if event == "/jax/compilation_cache/cache_hits":
+        _counts["cache_hits"] += 1
 
 
 monitoring.register_event_duration_secs_listener(_on_duration)
@@ -42,9 +38,9 @@ def num_compiles() -> int:
     return _counts["requests"] - _counts["cache_hits"]
 
 
-def cache_counts() -> tuple[int, int]:
-    """(hits, misses) of the persistent compilation cache in this process so far."""
-    return _counts["cache_hits"], _counts["cache_misses"]
+def cache_hits() -> int:
+    """Executables loaded from the persistent compilation cache in this process so far."""
+    return _counts["cache_hits"]
 
 
 def cache_dir(setting: str) -> Path | None:

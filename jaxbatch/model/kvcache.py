@@ -1,9 +1,10 @@
 """KV cache layouts as pytrees, and how a pass writes and reads them.
 
-The slot layout keeps one `[num_slots, kv_heads, max_len, head_dim]` region per slot and layer; the
-paged layout keeps a pool of `[num_blocks, kv_heads, block_size, head_dim]` blocks per layer. Both
-are head-major, so a read gives each row its keys as `[kv_heads, positions, head_dim]`: attention
-is then a batched matmul with no transpose of the context. A pass addresses either layout through a
+The slot layout keeps each layer's positions of every slot in a few segments, each
+`[num_slots, kv_heads, segment_len, head_dim]`; the paged layout keeps a pool of
+`[num_blocks, kv_heads, block_size, head_dim]` blocks per layer. Both are head-major, so a read
+gives each row its keys as `[kv_heads, positions, head_dim]`: attention is then a batched matmul
+with no transpose of the context. A pass addresses either layout through a
 CacheIndex: each row's slot, token positions, real tokens and (paged) its block table. A pass may
 write its K/V layer by layer before attending (the host loop's passes: XLA updates the donated
 cache in place) or read the cache only and write everything at its end (the fused loop: a
