@@ -60,13 +60,15 @@ def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]
         by_tokens = bool(cfg.memory.budget_tokens)
         raise ConfigError(
             "memory.budget_tokens" if by_tokens else "memory.budget_mib",
-            memory.budget_tokens if by_tokens else round(mib(memory.budget_tokens), 4),
+            cfg.memory.budget_tokens if by_tokens else cfg.memory.budget_mib,
             f"it holds {memory.capacity_tokens} KV positions but the smallest request needs "
             f"{smallest}: use at least {mib(smallest):.4f} MiB (budget_tokens={smallest}); "
             f"{mib(largest):.4f} MiB fits every request",
         )  # fmt: skip
     for i in np.flatnonzero(fits_model & (need > memory.capacity_tokens)):
         reasons[i] = f"needs {need[i]} KV positions, the budget holds {memory.capacity_tokens}"
+    if memory.paged:
+        _admission_rejections(cfg, workload, memory, reasons)
     if cfg.policy.name == "orca":  # orca never splits a prompt: one over the budget never runs
         budget = cfg.policy.token_budget
         for i in np.flatnonzero(workload.prompt_len > budget):
@@ -74,6 +76,39 @@ def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]
                 f"prompt_len {workload.prompt_len[i]} > orca's policy.token_budget {budget}"
             )
     return reasons
+
+
+def watermark_blocks(cfg: Config, memory: MemorySpec) -> int:
+    """Blocks that admission leaves free (paged memory)."""
+    return int(cfg.memory.watermark * memory.num_blocks)
+
+
+def _admission_rejections(
+    cfg: Config, workload: Workload, memory: MemorySpec, reasons: list[str]
+) -> None:
+    """Paged admission grants a prompt's blocks only while `memory.watermark` of the pool stays
+    free: a prompt needing more than the rest can never be admitted, even into an empty pool.
+    Stops the run (naming memory.watermark) when no request could ever be admitted; otherwise
+    rejects, with the reason, each request that could not."""
+    keep = watermark_blocks(cfg, memory)
+    room = (memory.num_blocks - keep) * memory.block_size
+    need = np.asarray(memory.need(workload.prompt_len, workload.max_new))
+    ok = np.array([not r for r in reasons])
+    if not ok.any():
+        return
+    if need[ok].min() > room:
+        most = (memory.num_blocks - need[ok].min() // memory.block_size) / memory.num_blocks
+        raise ConfigError(
+            "memory.watermark", cfg.memory.watermark,
+            f"it keeps {keep} of {memory.num_blocks} blocks free, so admission may grant "
+            f"{room} KV positions, but the smallest prompt needs {need[ok].min()}: use at most "
+            f"{most:.4f}",
+        )  # fmt: skip
+    for i in np.flatnonzero(ok & (need > room)):
+        reasons[i] = (
+            f"its prompt needs {need[i]} KV positions, admission may grant {room} "
+            f"(memory.watermark={cfg.memory.watermark} keeps {keep} blocks free)"
+        )
 
 
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
@@ -107,9 +142,10 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
     use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)
     rejected = np.array([bool(r) for r in rejections(cfg, workload, memory)])
+    held = lambda x: np.where(rejected, 0, x)  # noqa: E731  (a rejected length may not fit int32)
     state = init_state(
-        workload.arrival, workload.prompt_len, workload.max_new, rejected, e.num_slots,
-        workload.priority, memory,
+        workload.arrival, held(workload.prompt_len), held(workload.max_new), rejected,
+        e.num_slots, workload.priority, memory,
     )  # fmt: skip
     backend = build_backend(cfg, workload, memory, with_logits)
     ok = ~rejected
@@ -117,7 +153,7 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
         workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged
     )
     shapes = shapes if e.warmup else []
-    watermark = int(cfg.memory.watermark * memory.num_blocks)
+    watermark = watermark_blocks(cfg, memory)
     params = PolicyParams(
         max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
         watermark_blocks=np.int32(watermark),
@@ -179,9 +215,9 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     files.write_metrics(out_dir / "metrics.json", metrics)
     files.write_requests(
-        out_dir / "requests.csv", workload.ids, workload.arrival, workload.prompt_len, status,
-        np.asarray(final.num_preemptions), request_times(rec, len(workload)),
-        rejections(cfg, workload, memory),
+        out_dir / "requests.csv", workload.ids, workload.arrival, workload.prompt_len,
+        workload.max_new, status, np.asarray(final.num_preemptions),
+        request_times(rec, len(workload)), rejections(cfg, workload, memory),
     )  # fmt: skip
     files.write_passes(out_dir / "passes.csv", rec, memory.block_size if memory.paged else 0)
     files.save_record(out_dir / "record.npz", rec)
@@ -194,16 +230,21 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
 
 
 def summary_table(metrics: dict) -> str:
+    """The console summary. With the passes clock every time is a count of passes (arrivals too)
+    and throughput is per pass; with the measured clock times are seconds (latencies in ms)."""
+    passes = metrics["clock"] == "passes"
+    duration = f"{metrics['duration_s']:.0f} passes" if passes else f"{metrics['duration_s']:.3f} s"
+    per = "pass" if passes else "s"
     rows = [
         ("policy", metrics["policy"]),
         ("requests finished / rejected",
          f"{metrics['num_finished']} / {metrics['num_rejected']} of {metrics['num_requests']}"),
         ("passes", metrics["num_passes"]),
-        ("duration", f"{metrics['duration_s']:.3f} {_unit(metrics)} "
-         f"({metrics['clock']} clock, {metrics['loop']} loop)"),
-        ("output throughput", f"{metrics['output_throughput_tok_s']:.1f} tok/s"),
-        ("TTFT p50 / p99", _pair(metrics["ttft_s"])),
-        ("TPOT p50 / p99", _pair(metrics["tpot_s"])),
+        ("duration", f"{duration} ({metrics['clock']} clock, {metrics['loop']} loop)"),
+        ("output throughput", f"{metrics['output_throughput_tok_s']:.{3 if passes else 1}f} "
+         f"tok/{per}"),
+        ("TTFT p50 / p99", _pair(metrics["ttft_s"], passes)),
+        ("TPOT p50 / p99", _pair(metrics["tpot_s"], passes)),
         ("slot utilisation", f"{metrics['slot_utilization']:.1%}"),
         ("padding waste", f"{metrics['padding_waste']:.1%}"),
         ("KV memory", f"{metrics['memory_layout']}, {metrics['kv_budget_tokens']} positions, "
@@ -218,14 +259,11 @@ def summary_table(metrics: dict) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _unit(metrics: dict) -> str:
-    """With the passes clock every time (arrivals too) is counted in passes, not seconds."""
-    return "passes" if metrics["clock"] == "passes" else "s"
-
-
-def _pair(s: dict) -> str:
+def _pair(s: dict, passes: bool) -> str:
     if s["p50"] is None:
         return "-"
+    if passes:
+        return f"{s['p50']:.1f} / {s['p99']:.1f} passes"
     return f"{s['p50'] * 1e3:.2f} / {s['p99'] * 1e3:.2f} ms"
 
 

@@ -177,6 +177,12 @@ def validate(cfg: Config) -> None:
             d: LengthConfig = getattr(w, part)
             _one_of(f"workload.{part}.dist", d.dist, ("fixed", "uniform", "lognormal"))
             _positive(f"workload.{part}.mean", d.mean)
+            if d.dist == "fixed" and d.mean < 1:  # a fixed length is int(mean) tokens
+                raise ConfigError(
+                    f"workload.{part}.mean", d.mean,
+                    "must be >= 1: a fixed length is int(mean) tokens, and every prompt and "
+                    "output budget holds at least one",
+                )  # fmt: skip
             _positive(f"workload.{part}.low", d.low)
             if d.high < d.low:
                 raise ConfigError(f"workload.{part}.high", d.high, f"must be >= low={d.low}")
@@ -200,6 +206,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:
         raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
+    if not -1 <= e.eos_id < m.vocab_size:
+        raise ConfigError(
+            "engine.eos_id", e.eos_id,
+            f"must be -1 (no EOS) or a token id in 0..{m.vocab_size - 1} (model.vocab_size)",
+        )  # fmt: skip
     _positive("engine.min_bucket", e.min_bucket)
     _one_of("engine.loop", e.loop, LOOPS)
     if e.loop == "fused":

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+# Lengths are held as int64 and capped here: a trace count beyond any model (20 digits, say) is kept
+# as this cap, which every model's max_len rejects, instead of overflowing.
+LENGTH_CAP = 2**40
+
 
 class WorkloadError(ValueError):
     """A workload that cannot be built: the message names the field or the file and line."""
@@ -58,12 +62,20 @@ class Workload:
     def rejections(self, max_len: int) -> list[str]:
         """Per request, why it can never run on a model of this maximum length ('' if it can)."""
         reasons = []
-        for p, m in zip(self.prompt_len, self.max_new):
-            if p + m > max_len:
-                reasons.append(f"prompt_len {p} + max_new_tokens {m} > model max_len {max_len}")
+        for p, m in zip(self.prompt_len.tolist(), self.max_new.tolist()):
+            if p < 1 or m < 1:
+                reasons.append(f"prompt_len {p} and max_new_tokens {m} must both be >= 1")
+            elif p + m > max_len:
+                reasons.append(
+                    f"prompt_len {_count(p)} + max_new_tokens {_count(m)} > model max_len {max_len}"
+                )
             else:
                 reasons.append("")
         return reasons
+
+
+def _count(n: int) -> str:
+    return f">= {LENGTH_CAP}" if n >= LENGTH_CAP else str(n)
 
 
 def lengths(dist: str, mean: float, low: int, high: int, sigma: float, n: int, rng) -> np.ndarray:
@@ -129,7 +141,10 @@ def read_trace(
     if np.any(np.diff(arrival) < 0):
         line = int(np.argmax(np.diff(arrival) < 0)) + 3
         raise WorkloadError(f"{path}:{line}: TIMESTAMP goes back in time")
-    scale = lambda x, k: np.maximum(1, np.round(np.array(x) * k)).astype(np.int64)  # noqa: E731
+
+    def scale(counts, k):
+        return np.clip(np.round(np.array(counts, np.float64) * k), 1, LENGTH_CAP).astype(np.int64)
+
     return arrival, scale(prompt, length_scale), scale(output, output_scale or length_scale)
 
 
@@ -151,7 +166,7 @@ def _parse_count(row: list[str], col: int, name: str, path: Path, line: int) -> 
     text = row[col].strip()
     if not text.isdigit():
         raise WorkloadError(f"{path}:{line}: {name} {text!r} is not a non-negative integer")
-    return int(text)
+    return min(int(text), LENGTH_CAP)
 
 
 def from_config(cfg, base_dir: Path | None = None) -> Workload:

@@ -142,7 +142,7 @@ def test_budget_below_one_request_names_the_smallest_that_works():
         "memory.budget_tokens=64 is not valid: it holds 64 KV positions but the smallest request "
         "needs 96: use at least 0.0469 MiB (budget_tokens=96); 0.0547 MiB fits every request"
     )
-    with pytest.raises(ConfigError, match=r"^memory.budget_mib=0.0312 is not valid"):
+    with pytest.raises(ConfigError, match=r"^memory.budget_mib=0.03125 is not valid"):
         _run(MemoryConfig(layout="paged", budget_mib=0.03125), prompts, budgets)
 
 

@@ -7,6 +7,7 @@ of the time. A cache hit is not counted as a compilation. Never compile anything
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -63,5 +64,6 @@ def use_cache(path: Path | None) -> None:
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    logging.getLogger("jax._src.compilation_cache").setLevel(logging.WARNING)  # no INFO lines
     compilation_cache.set_cache_dir(wanted)
     compilation_cache.reset_cache()  # JAX decides once per process whether a cache is in use

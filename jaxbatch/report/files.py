@@ -18,8 +18,8 @@ from jaxbatch.report.recorder import Record
 from jaxbatch.sched.state import KIND_NAMES, STATUS_NAMES
 
 REQUEST_COLUMNS = (
-    "id", "arrival", "prompt_len", "output_len", "status", "ttft_s", "tpot_s", "e2e_s",
-    "preemptions", "reason",
+    "id", "arrival", "prompt_len", "output_len", "max_new_tokens", "status", "ttft_s", "tpot_s",
+    "e2e_s", "preemptions", "reason",
 )  # fmt: skip
 PASS_COLUMNS = (
     "index", "start", "duration", "kind", "tokens", "computed_tokens", "active_slots",
@@ -40,6 +40,7 @@ def write_requests(
     ids: np.ndarray,
     arrival: np.ndarray,
     prompt_len: np.ndarray,
+    max_new: np.ndarray,
     status: np.ndarray,
     preemptions: np.ndarray,
     times: RequestTimes,
@@ -52,8 +53,8 @@ def write_requests(
         for i in range(len(arrival)):
             w.writerow(
                 [int(ids[i]), f"{arrival[i]:.9f}", int(prompt_len[i]), int(times.output_len[i]),
-                 STATUS_NAMES[int(status[i])], _num(ttft[i]), _num(tpot[i]), _num(e2e[i]),
-                 int(preemptions[i]), reasons[i]]
+                 int(max_new[i]), STATUS_NAMES[int(status[i])], _num(ttft[i]), _num(tpot[i]),
+                 _num(e2e[i]), int(preemptions[i]), reasons[i]]
             )  # fmt: skip
 
 

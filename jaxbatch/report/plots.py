@@ -22,23 +22,44 @@ _HELD = np.array([0.78, 0.78, 0.78])
 _FREE = np.array([1.0, 1.0, 1.0])
 
 
+# A timeline image has at most this many columns (passes) and rows (slots): a longer or wider run
+# is sampled (nearest pass and slot), so a figure's memory does not grow with passes x slots.
+MAX_COLUMNS, MAX_ROWS = 2400, 512
+
+
+def _sample(n: int, most: int) -> np.ndarray:
+    return np.arange(n) if n <= most else np.round(np.linspace(0, n - 1, most)).astype(int)
+
+
 def timeline_image(record: Record) -> np.ndarray:
-    """[B, P, 3] RGB: a column per pass, a row per slot."""
-    palette = np.array(plt.get_cmap("tab20").colors)
+    """[rows, columns, 3] RGB: a column per pass, a row per slot (sampled beyond MAX_COLUMNS
+    passes or MAX_ROWS slots)."""
+    p, b = _sample(record.num_passes, MAX_COLUMNS), _sample(record.num_slots, MAX_ROWS)
+    holder, fed = record.holder[p][:, b], record.num_tokens[p][:, b] > 0
+    palette = np.array(plt.get_cmap("tab20").colors, np.float32)
     palette = np.delete(palette, [14, 15], axis=0)  # tab20's greys would read as "held, idle"
-    colour = palette[np.maximum(record.holder, 0) % len(palette)]  # [P, B, 3]
-    fed = record.num_tokens > 0
-    prefill = fed & (record.kind == PREFILL)[:, None]
+    colour = palette[np.maximum(holder, 0) % len(palette)]  # [P, B, 3]
+    prefill = fed & (record.kind[p] == PREFILL)[:, None]
     img = np.where(prefill[..., None], colour * 0.55, colour * 0.6 + 0.4)
-    img = np.where((~fed & (record.holder >= 0))[..., None], _HELD, img)
-    img = np.where((record.holder < 0)[..., None], _FREE, img)
+    img = np.where((~fed & (holder >= 0))[..., None], _HELD, img)
+    img = np.where((holder < 0)[..., None], _FREE, img)
     return img.transpose(1, 0, 2)
 
 
+def _shown_slots(record: Record) -> int:
+    """A panel's height in slots: a wide run's panel is capped (its rows are sampled anyway)."""
+    return min(max(record.num_slots, 1), 48)
+
+
 def _draw(ax, record: Record, title: str, max_passes: int | None = None) -> None:
-    ax.imshow(timeline_image(record), aspect="auto", interpolation="nearest")
     ax.set_ylabel("slot")
     ax.set_title(title, fontsize=10, loc="left")
+    if record.num_passes == 0:
+        ax.text(0.5, 0.5, "no pass ran: every request was rejected", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
+        return
+    extent = (-0.5, record.num_passes - 0.5, record.num_slots - 0.5, -0.5)
+    ax.imshow(timeline_image(record), aspect="auto", interpolation="nearest", extent=extent)
     ax.set_xlim(-0.5, (max_passes or record.num_passes) - 0.5)
 
 
@@ -50,7 +71,7 @@ _LEGEND = [
 
 
 def plot_timeline(record: Record, path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.25 * record.num_slots))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.25 * _shown_slots(record)))
     _draw(ax, record, title)
     ax.set_xlabel("pass")
     ax.legend(handles=_LEGEND, loc="upper right", fontsize=8)
@@ -61,8 +82,8 @@ def plot_timeline(record: Record, path: Path, title: str) -> None:
 
 def plot_timelines(panels: list[tuple[str, Record]], path: Path) -> None:
     """One panel per run, on one pass axis, so their lengths compare at a glance."""
-    longest = max(r.num_passes for _, r in panels)
-    height = sum(0.9 + 0.22 * r.num_slots for _, r in panels)
+    longest = max(max(r.num_passes for _, r in panels), 1)
+    height = sum(0.9 + 0.22 * _shown_slots(r) for _, r in panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.8 + height), squeeze=False)
     for ax, (title, rec) in zip(axes[:, 0], panels):
         _draw(ax, rec, f"{title}: {rec.num_passes} passes", longest)
@@ -95,6 +116,9 @@ def plot_memory(record: Record, capacity: int, path: Path, title: str) -> None:
     ax.set_xlabel("pass")
     ax.set_ylabel("KV positions")
     ax.set_title(f"KV memory ({title})", fontsize=10, loc="left")
+    if record.num_passes == 0:
+        ax.text(0.5, 0.5, "no pass ran: every request was rejected", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
