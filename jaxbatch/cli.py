@@ -164,7 +164,10 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
         # whole sequence once per preemption: a generous bound that still ends a stuck run.
         max_passes = 4 * int((workload.prompt_len + workload.max_new)[ok].sum()) + 16
         return run_fused(policy, params, state, backend, max_passes, e.clock)
-    return run(policy, params, state, backend, shapes, e.clock, cfg.output.progress)
+    return run(
+        policy, params, state, backend, shapes, e.clock, cfg.output.progress,
+        arrival=workload.arrival,
+    )  # fmt: skip
 
 
 def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxbatch.backend.buckets import PassShape, decode_fits
 from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.clock import Clock
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan, SchedState
@@ -138,8 +139,13 @@ def run(
     clock: str = "measured",
     progress: bool = False,
     max_passes: int = 10_000_000,
+    arrival: np.ndarray | None = None,
 ) -> RunResult:
+    """Run every request to the end. `arrival` holds the requests' exact (float64) arrival times,
+    which `state.arrival` holds rounded to float32; the clock keeps them exact (`clock.Clock`)."""
     schedule, step = jax.jit(policy.schedule), _stepper(policy)
+    times = Clock(np.asarray(state.arrival) if arrival is None else arrival)
+    state = times.rebase(state, 0.0)
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     warm_state, warm_plan = schedule(state, params)
     dummy = jnp.zeros_like(warm_plan.req)
@@ -156,7 +162,7 @@ def run(
         desc=policy.name, leave=False,
     )  # fmt: skip
     measured = clock == "measured"
-    last_arrival = float(np.max(np.asarray(state.arrival), initial=0.0))
+    last_arrival = float(np.max(times.arrival, initial=0.0))
     waits = float(params.max_wait_s) > 0  # static's wait for a full batch reads the clock
     loop_start = time.perf_counter()
     skipped = 0.0  # clock time jumped over while idle: runs never sleep
@@ -165,18 +171,23 @@ def run(
     prompt_len, max_new = np.asarray(state.prompt_len), np.asarray(state.max_new)
     ends = np.zeros(state.num_slots, np.int64)  # see next_ends
     ahead = None  # (shape, tokens, logits) of a decode pass dispatched before its plan was seen
-    state, plan = schedule(state.replace(now=np.float32(now)), params)
+    state, plan = schedule(state.replace(now=times.device(now)), params)
     plan_h = jax.device_get(plan)
     while True:
         if int(plan_h.kind) == IDLE:
             ahead = None  # it fed nothing: its plan was no decode pass
             if not np.isfinite(plan_h.wait_until):
                 break
-            wake = max(now, float(plan_h.wait_until))
+            if not times.near(times.host(plan_h.wait_until)):  # coarse: look again from nearer
+                state = times.rebase(state, times.lookahead(plan_h.wait_until))
+                state, plan = schedule(state.replace(now=times.device(now)), params)
+                plan_h = jax.device_get(plan)
+                continue
+            wake = max(now, times.host(plan_h.wait_until))
             if measured:
                 skipped += max(0.0, wake - elapsed())
             now = wake
-            state, plan = schedule(state.replace(now=np.float32(now)), params)
+            state, plan = schedule(state.replace(now=times.device(now)), params)
             plan_h = jax.device_get(plan)
             continue
         if passes == max_passes:
@@ -193,7 +204,9 @@ def run(
             # commit is queued behind the pass without a sync; the pass's end is still measured.
             jax.block_until_ready(tokens)
         sched_at = elapsed() if measured else now + 1.0
-        state, next_plan, stats = step(state, plan, tokens, params, np.float32(sched_at))
+        if not times.near(sched_at):
+            state = times.rebase(state, sched_at)
+        state, next_plan, stats = step(state, plan, tokens, params, times.device(sched_at))
         ends, guessable = next_ends(plan_h, ends, prompt_len, max_new)
         if guessable and now >= last_arrival:
             guess = backend.buckets.decode(int(ends.max()) + 1)

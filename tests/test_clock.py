@@ -1,0 +1,63 @@
+"""Long clocks: times stay exact to a microsecond for arrivals far beyond float32's reach, and no
+latency is ever negative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxbatch.cli import simulate
+from jaxbatch.clock import Clock
+from jaxbatch.report.metrics import request_times
+from jaxbatch.sched.state import init_state
+from tests.conftest import make_config, make_workload
+
+# Two requests a microsecond apart near 1e7 s, where float32 steps by a whole second.
+ARRIVALS = [0.0, 3.5, 1e6 + 0.123456, 1e7 + 0.654321, 1e7 + 0.654322, 1e7 + 20.25]
+
+
+def _first_pass_starts(result, n):
+    """Each request's first pass start: where its slot first fed it."""
+    rec = result.record
+    first = np.full(n, np.nan)
+    for p in range(rec.num_passes)[::-1]:
+        for b in np.flatnonzero(rec.num_tokens[p] > 0):
+            first[rec.req[p, b]] = rec.start[p]
+    return first
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"backend": "simulator", "clock": "passes"}, {"backend": "runner", "clock": "measured"}],
+    ids=["simulator-passes", "runner-measured"],
+)
+def test_arrivals_up_to_1e7_keep_microseconds_and_latencies_stay_positive(engine):
+    w = make_workload([8] * 6, [3] * 6, arrival=ARRIVALS)
+    res = simulate(make_config(num_slots=2, warmup=False, **engine), w)
+    times = request_times(res.record, len(ARRIVALS))
+    arrival = np.array(ARRIVALS)
+    start = _first_pass_starts(res, len(ARRIVALS))
+    assert (times.ttft(arrival) > 0).all() and (times.e2e(arrival) > 0).all()
+    # Each request but the fifth (a microsecond after the fourth, which holds the clock: on the
+    # passes clock, until its pass ends) starts its prompt when it arrives, to a microsecond.
+    alone = [0, 1, 2, 3, 5]
+    assert (start[alone] >= arrival[alone]).all()
+    np.testing.assert_allclose(start[alone], arrival[alone], rtol=0, atol=1e-6)
+    assert start[4] >= arrival[4]
+    assert res.outputs is None or all(len(o) == 3 for o in res.outputs)
+
+
+def test_the_device_never_sees_a_request_before_it_arrives():
+    arrival = np.array([1e7 + 0.654321, 1e7 + 0.654322, 2.0**24 + 0.1])
+    clock = Clock(arrival)
+    state = init_state(arrival, np.ones(3), np.ones(3), np.zeros(3, bool), 1)
+    for origin in (0.0, 1e7, 1e7 + 0.654, 2.0**24):
+        state = clock.rebase(state, origin)
+        rel = np.asarray(state.arrival, np.float64)
+        assert (rel >= arrival - origin).all()  # rounded up: never early
+        for t in arrival:  # the clock rounds down: at an arrival it never passes a later one
+            seen = rel <= np.float64(clock.device(t))
+            assert not (seen & (arrival > t)).any()
+    near = clock.rebase(state, 1e7)
+    rel = np.asarray(near.arrival, np.float64)[:2] + 1e7
+    np.testing.assert_allclose(rel, arrival[:2], rtol=0, atol=5e-7)
