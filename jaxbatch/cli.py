@@ -7,11 +7,14 @@ with one message naming the field (exit code 2) before anything compiles.
 from __future__ import annotations
 
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from jaxbatch.backend.buckets import pow2_at_least
@@ -21,13 +24,15 @@ from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, register, validate
 from jaxbatch.engine import RunResult, run
 from jaxbatch.fused import run_fused
+from jaxbatch.interrupt import Interrupt, never
 from jaxbatch.model.transformer import init_params
 from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
 from jaxbatch.report.plots import plot_memory, plot_timeline
+from jaxbatch.report.sweep import summarize_sweep
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
-from jaxbatch.sched.state import init_state
+from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED, init_state
 from jaxbatch.workload import Workload, WorkloadError, from_config
 
 register()
@@ -136,8 +141,11 @@ def policy_options(cfg: Config) -> dict:
     }  # fmt: skip
 
 
-def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunResult:
-    """Run a validated config on a workload; requests that can never fit are rejected up front."""
+def simulate(
+    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never
+) -> RunResult:
+    """Run a validated config on a workload; requests that can never fit are rejected up front.
+    The run ends early, with what it did, once `stop()` says so (see `interrupt`)."""
     e = cfg.engine
     use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)
@@ -163,21 +171,29 @@ def simulate(cfg: Config, workload: Workload, with_logits: bool = False) -> RunR
         # Each pass feeds at least one token, and a preempted request recomputes at most its
         # whole sequence once per preemption: a generous bound that still ends a stuck run.
         max_passes = 4 * int((workload.prompt_len + workload.max_new)[ok].sum()) + 16
-        return run_fused(policy, params, state, backend, max_passes, e.clock)
+        return run_fused(
+            policy, params, state, backend, max_passes, e.clock, cfg.output.progress, stop
+        )
     return run(
         policy, params, state, backend, shapes, e.clock, cfg.output.progress,
-        arrival=workload.arrival,
+        arrival=workload.arrival, stop=stop,
     )  # fmt: skip
 
 
-def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
-    """Validate, build, run and write every output file into out_dir; returns metrics.json."""
+def execute(
+    cfg: Config, out_dir: Path, base_dir: Path | None = None, stop: Callable[[], bool] = never
+) -> dict:
+    """Validate, build, run and write every output file into out_dir; returns metrics.json.
+    A run that `stop()` ends early writes every file for the passes done; the requests it left
+    unfinished are `interrupted` in requests.csv, and metrics.json says `"interrupted": true`."""
     validate(cfg)
     workload = from_config(cfg.workload, base_dir)
-    result = simulate(cfg, workload)
+    result = simulate(cfg, workload, stop=stop)
     spec, rec, final = cfg.model.spec(), result.record, result.final
     memory = memory_spec(cfg)
     status = np.asarray(final.status)
+    if result.interrupted:
+        status = np.where((status == FINISHED) | (status == REJECTED), status, INTERRUPTED)
     metrics = {
         "policy": cfg.policy.name,
         "backend": cfg.engine.backend,
@@ -185,7 +201,8 @@ def execute(cfg: Config, out_dir: Path, base_dir: Path | None = None) -> dict:
         "loop": cfg.engine.loop,
         "num_slots": cfg.engine.num_slots,
         "num_requests": len(workload),
-        "num_rejected": int((status == 4).sum()),
+        "num_rejected": int((status == REJECTED).sum()),
+        "interrupted": result.interrupted,
         "num_preemptions": int(np.asarray(final.num_preemptions).sum()),
         "memory_layout": memory.layout,
         "kv_budget_tokens": memory.capacity_tokens,
@@ -270,14 +287,53 @@ def _pair(s: dict, passes: bool) -> str:
     return f"{s['p50'] * 1e3:.2f} / {s['p99'] * 1e3:.2f} ms"
 
 
+INTERRUPT = Interrupt()  # Ctrl-C: the run stops between passes and writes what it did
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    """One run, or one job of a sweep. Bad input: one message and exit code 2 (in a sweep, the
+    job's error.json, and the sweep goes on). Ctrl-C: the outputs of the passes done, one line
+    saying so, and exit code 130 (in a sweep, after the summary of the jobs so far)."""
     config: Config = OmegaConf.to_object(cfg)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
+    INTERRUPT.catch()
+    if INTERRUPT() and sweep_dir:  # Ctrl-C between two jobs: run no more
+        _stop_sweep(sweep_dir)
     try:
-        metrics = execute(config, out_dir, Path(hydra.utils.get_original_cwd()))
+        metrics = execute(config, out_dir, Path(hydra.utils.get_original_cwd()), INTERRUPT)
     except (ConfigError, WorkloadError) as err:
         print(f"jaxbatch: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        if sweep_dir is None:
+            sys.exit(2)
+        files.write_error(out_dir / "error.json", err)
+        return
+    except Exception as err:
+        if sweep_dir is None:
+            raise
+        traceback.print_exc()  # one failing job must not end the sweep: it is recorded
+        files.write_error(out_dir / "error.json", err)
+        return
     print(summary_table(metrics))
     print(f"  outputs in {out_dir}")
+    if metrics["interrupted"]:
+        unfinished = metrics["num_requests"] - metrics["num_finished"] - metrics["num_rejected"]
+        print(
+            f"jaxbatch: interrupted after {metrics['num_passes']} passes: {unfinished} requests "
+            f"left unfinished (status interrupted); outputs in {out_dir}",
+            file=sys.stderr,
+        )
+        if sweep_dir:
+            _stop_sweep(sweep_dir)
+        sys.exit(130)
+
+
+def _stop_sweep(sweep_dir: Path) -> None:
+    rows = summarize_sweep(sweep_dir)
+    print(
+        f"jaxbatch: sweep interrupted: {len(rows)} runs summarised in {sweep_dir}/summary.csv",
+        file=sys.stderr,
+    )
+    sys.exit(130)

@@ -17,6 +17,7 @@ the right pass. Plans never depend on the guess, so neither do tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Protocol
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.buckets import PassShape, decode_fits
 from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.clock import Clock
+from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, Recorder
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan, SchedState
@@ -38,7 +40,7 @@ from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan
 class Backend(Protocol):
     buckets: object
 
-    def warmup(self, shapes: list[PassShape]) -> None: ...
+    def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None: ...
     def execute(
         self, plan: Plan, shape: PassShape, on_device: Plan | None = None
     ) -> tuple[Array, Array | None]: ...
@@ -58,6 +60,7 @@ class RunResult:
     compiles_after_warmup: int
     cache_hits: int  # compiled shapes loaded from the persistent compilation cache instead
     wall_s: float  # host wall time of the loop
+    interrupted: bool = False  # stopped early (Ctrl-C): the record holds the passes done
 
 
 def kv_live(state: SchedState, holder: Array) -> Array:
@@ -140,9 +143,11 @@ def run(
     progress: bool = False,
     max_passes: int = 10_000_000,
     arrival: np.ndarray | None = None,
+    stop: Callable[[], bool] = never,
 ) -> RunResult:
-    """Run every request to the end. `arrival` holds the requests' exact (float64) arrival times,
-    which `state.arrival` holds rounded to float32; the clock keeps them exact (`clock.Clock`)."""
+    """Run every request to the end, or until `stop()` says to (checked between passes and
+    between warm-up shapes). `arrival` holds the requests' exact (float64) arrival times, which
+    `state.arrival` holds rounded to float32; the clock keeps them exact (`clock.Clock`)."""
     schedule, step = jax.jit(policy.schedule), _stepper(policy)
     times = Clock(np.asarray(state.arrival) if arrival is None else arrival)
     state = times.rebase(state, 0.0)
@@ -150,7 +155,7 @@ def run(
     warm_state, warm_plan = schedule(state, params)
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
-    backend.warmup(warmup_shapes)
+    backend.warmup(warmup_shapes, stop)
     warmup_s = time.perf_counter() - t0
     compiles_warm = num_compiles()
 
@@ -173,7 +178,7 @@ def run(
     ahead = None  # (shape, tokens, logits) of a decode pass dispatched before its plan was seen
     state, plan = schedule(state.replace(now=times.device(now)), params)
     plan_h = jax.device_get(plan)
-    while True:
+    while not stop():
         if int(plan_h.kind) == IDLE:
             ahead = None  # it fed nothing: its plan was no decode pass
             if not np.isfinite(plan_h.wait_until):
@@ -221,9 +226,9 @@ def run(
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
     wall_s = time.perf_counter() - loop_start
     bar.close()
-    final = jax.device_get(state)
+    final, interrupted = jax.device_get(state), stop()
     stuck = np.flatnonzero((final.status != FINISHED) & (final.status != REJECTED))
-    if len(stuck):  # a policy that leaves requests unserved is a bug: never report it as a run
+    if len(stuck) and not interrupted:  # a policy that leaves requests unserved is a bug
         raise RuntimeError(
             f"{policy.name}: the run ended with {len(stuck)} requests neither finished nor "
             f"rejected (ids {stuck[:10].tolist()}...): the policy can never schedule them"
@@ -239,4 +244,5 @@ def run(
         compiles_after_warmup=num_compiles() - compiles_warm,
         cache_hits=cache_hits() - hits0,
         wall_s=wall_s,
+        interrupted=interrupted,
     )

@@ -4,17 +4,23 @@
 A pass with prompt tokens runs the runner's mixed pass (the token budget's rows), one without the
 all-slot decode; `lax.switch` picks the compiled branch of the pass's context bucket, so the loop
 reads no more context than the host loop. Only the token-budget policies (orca, chunked) fit.
-The clock inside counts passes; the host times the whole loop. Results come back once, at the end.
+The clock inside counts passes; the host times the whole loop.
+
+The loop runs in segments of a bounded number of passes (about SEGMENT_S seconds each): between
+two, the host advances the progress bar and reads `stop()`, so Ctrl-C ends a run within a segment.
+Results come back once, at the end.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.backend.runner import (
@@ -26,9 +32,12 @@ from jaxbatch.backend.runner import (
     store_tokens,
 )
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
+from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, emitted
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, MIXED, REJECTED, SchedState
+
+SEGMENT_S = 0.25  # the fused loop's segments last about this long (a first one: 8 passes)
 
 
 def _pad_rows(x, width: int):
@@ -44,11 +53,14 @@ def run_fused(
     runner: Runner,
     max_passes: int,
     clock: str = "measured",
+    progress: bool = False,
+    stop: Callable[[], bool] = never,
 ) -> RunResult:
     """Run every request of an offline workload (all arrived at 0) to the end in one compiled
-    loop. With the measured clock, pass p starts at p x the loop's mean pass time; with the passes
-    clock at p. Compilation and one run of every branch count as warm-up; `compiles_after_warmup`
-    counts any compilation during the run."""
+    loop, or until `stop()` says to (read between segments). With the measured clock, pass p
+    starts at p x the loop's mean pass time; with the passes clock at p. Compilation and one run
+    of every branch count as warm-up; `compiles_after_warmup` counts any compilation during the
+    run."""
     b = state.num_slots
     rows = runner.buckets.mixed_rows
     longest = int(np.max(np.asarray(state.prompt_len + state.max_new)))
@@ -115,41 +127,65 @@ def run_fused(
 
     num_branches = 2 * len(contexts)
 
-    def loop(weights, st, cache, buf, warm):  # weights as an argument: closed over, constants
+    def loop(weights, st, cache, buf, p, rec, warm, end):  # weights as an argument, not constants
+        """Passes p.. until every request ends, max_passes, or pass `end` (a segment's end)."""
+
         def cond(carry):
             st, _, _, p, _ = carry
             live = (st.status != FINISHED) & (st.status != REJECTED)
-            return jnp.where(warm, p < num_branches, live.any() & (p < max_passes))
+            return jnp.where(warm, p < num_branches, live.any() & (p < max_passes) & (p < end))
 
-        grid = jnp.full((max_passes, b), -1, jnp.int32)
-        rec = {"req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
-               "kv": jnp.zeros(max_passes, jnp.int32),
-               "granted": jnp.zeros(max_passes, jnp.int32),
-               "kind": jnp.zeros(max_passes, jnp.int32)}  # fmt: skip
-        init = (st, cache, buf, jnp.int32(0), rec)
-        return jax.lax.while_loop(cond, partial(body, weights, warm), init)
+        return jax.lax.while_loop(cond, partial(body, weights, warm), (st, cache, buf, p, rec))
 
+    grid = np.full((max_passes, b), -1, np.int32)
+    zeros = np.zeros(max_passes, np.int32)
+    rec = {"req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
+           "kv": zeros, "granted": zeros, "kind": zeros}  # fmt: skip
+    rec = jax.tree.map(jnp.asarray, rec)
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    compiled = jax.jit(loop, donate_argnums=(2, 3)).lower(
-        runner.params, state, runner.cache, runner.token_buf, True
+    start = jnp.int32(0)
+    compiled = jax.jit(loop, donate_argnums=(2, 3, 5)).lower(
+        runner.params, state, runner.cache, runner.token_buf, start, rec, True, start
     )
     compiled = compiled.compile()
     # Warm-up, as the host loop runs each compiled pass once: XLA's first run of each branch costs
     # far more than later ones (a whole 38-pass run: 0.55 s the first time, 0.26 s the next). It
     # runs branch p at pass p on a copy of the token buffer. The K/V it leaves in the cache sit at
     # stale positions, which no pass reads (each reads only what its slot's request has written).
+    # Its record rows are overwritten by the run's passes.
     warm_buf = runner.token_buf.copy()
-    _, runner.cache, *_ = compiled(runner.params, state, runner.cache, warm_buf, True)
+    _, runner.cache, _, _, rec = compiled(
+        runner.params, state, runner.cache, warm_buf, start, rec, True, start
+    )
     jax.block_until_ready(runner.cache)
     compile_s = time.perf_counter() - t0
     compiles_warm, t0 = num_compiles(), time.perf_counter()
-    st, runner.cache, runner.token_buf, p, rec = jax.block_until_ready(
-        compiled(runner.params, state, runner.cache, runner.token_buf, False)
-    )
+    st, p, length = state, 0, 8
+    bar = tqdm(
+        total=int(np.asarray(state.max_new)[np.asarray(state.status) != REJECTED].sum()),
+        disable=not progress, unit="tok", desc=policy.name, leave=False,
+    )  # fmt: skip
+    while not stop():
+        t_segment = time.perf_counter()
+        end = min(p + length, max_passes)
+        st, runner.cache, runner.token_buf, p_next, rec = compiled(
+            runner.params, st, runner.cache, runner.token_buf, jnp.int32(p), rec, False,
+            jnp.int32(end),
+        )  # fmt: skip
+        p_next = int(p_next)  # waits for the segment
+        if progress:
+            bar.n = int(np.asarray(st.num_generated).sum())
+            bar.refresh()
+        seconds = time.perf_counter() - t_segment
+        length = int(np.clip(SEGMENT_S * (p_next - p) / max(seconds, 1e-6), 8, 1 << 16))
+        done, p = p_next < end, p_next
+        if done or p == max_passes:
+            break
     wall_s = time.perf_counter() - t0
-    final, p, rec = jax.device_get((st, p, rec))
-    p = int(p)
-    if p == max_passes and ((final.status != FINISHED) & (final.status != REJECTED)).any():
+    bar.close()
+    final, rec, interrupted = jax.device_get((st, rec)) + (stop(),)
+    unfinished = ((final.status != FINISHED) & (final.status != REJECTED)).any()
+    if p == max_passes and unfinished and not interrupted:
         raise RuntimeError(f"the fused loop did not end within max_passes={max_passes}")
     req, num_tokens, start_pos = rec["req"][:p], rec["num_tokens"][:p], rec["start_pos"][:p]
     emits = emitted(req, num_tokens, start_pos, np.asarray(final.prompt_len))
@@ -172,4 +208,5 @@ def run_fused(
         compiles_after_warmup=num_compiles() - compiles_warm,
         cache_hits=cache_hits() - hits0,
         wall_s=wall_s,
+        interrupted=bool(interrupted and unfinished),
     )

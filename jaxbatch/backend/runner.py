@@ -10,6 +10,7 @@ donated. This module never decides what runs: the plan does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 
@@ -20,6 +21,7 @@ from flax import struct
 from jax import Array
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
+from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
     CacheIndex,
     PagedCache,
@@ -208,9 +210,11 @@ class Runner:
         )
         return tokens, logits
 
-    def warmup(self, shapes: list[PassShape]) -> None:
-        """Compile (and run once, writing nothing) every shape in `shapes`."""
+    def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
+        """Compile (and run once, writing nothing) every shape in `shapes`, until `stop()`."""
         for shape in shapes:
+            if stop():
+                break
             n = self.num_slots if shape.flat else shape.rows
             zeros = np.zeros(n, np.int32)
             no_blocks = np.full((n, self.max_blocks), -1, np.int32)

@@ -21,7 +21,7 @@ class Simulator:
         )
         self._tokens = jnp.zeros(num_slots, jnp.int32)
 
-    def warmup(self, shapes: list[PassShape]) -> None:
+    def warmup(self, shapes: list[PassShape], stop=None) -> None:
         """Nothing to compile."""
 
     def execute(

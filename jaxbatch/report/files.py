@@ -81,6 +81,12 @@ def write_tokens(path: Path, outputs: list[np.ndarray]) -> None:
             f.write(json.dumps({"id": i, "tokens": [int(t) for t in toks]}) + "\n")
 
 
+def write_error(path: Path, err: BaseException) -> None:
+    """A failed sweep job's error.json: the error's type and message (summary.csv reads it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}, indent=2) + "\n")
+
+
 def save_record(path: Path, record: Record) -> None:
     np.savez_compressed(path, **dataclasses.asdict(record))
 

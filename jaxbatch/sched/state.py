@@ -15,7 +15,10 @@ from jaxbatch.sched.blocks import MemorySpec
 
 # Request status.
 WAITING, RUNNING, PREEMPTED, FINISHED, REJECTED = 0, 1, 2, 3, 4
-STATUS_NAMES = ("waiting", "running", "preempted", "finished", "rejected")
+# INTERRUPTED is never in a state: it is what a report calls a request that an interrupted run
+# left unfinished (waiting, running or preempted).
+INTERRUPTED = 5
+STATUS_NAMES = ("waiting", "running", "preempted", "finished", "rejected", "interrupted")
 
 # Pass kind.
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
