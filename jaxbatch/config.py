@@ -36,14 +36,15 @@ class ModelConfig:
     n_kv_heads: int = 2
     d_mlp: int = 688
     max_len: int = 1024
-    dtype: str = "float32"
+    dtype: str = "float32"  # matmul inputs; accumulation and the residual stream stay float32
+    kv_dtype: str = "auto"  # the KV cache's dtype; auto: model.dtype's
     seed: int = 0
 
     def spec(self) -> ModelSpec:
         return ModelSpec(
             vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_mlp=self.d_mlp,
-            max_len=self.max_len, dtype=self.dtype,
+            max_len=self.max_len, dtype=self.dtype, kv_dtype=self.kv_dtype,
         )  # fmt: skip
 
 
@@ -146,6 +147,7 @@ def validate(cfg: Config) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "max_len"):
         _positive(f"model.{name}", getattr(m, name))
     _one_of("model.dtype", m.dtype, tuple(DTYPES))
+    _one_of("model.kv_dtype", m.kv_dtype, ("auto", *DTYPES))
     if m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", m.n_heads, f"must divide d_model={m.d_model}")
     if m.n_heads % m.n_kv_heads:

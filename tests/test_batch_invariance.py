@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxbatch.cli import simulate
-from tests.conftest import make_config, make_workload
+from tests.conftest import TEST_MODEL, make_config, make_workload
 
 PROMPTS = [5, 30, 12, 60, 9, 33]
 BUDGETS = [10, 3, 17, 6, 12, 8]
@@ -31,8 +33,9 @@ def alone():
     return logits, tokens
 
 
-def _run(policy, workload, num_slots, **engine):
+def _run(policy, workload, num_slots, model=None, **engine):
     cfg = make_config(policy, num_slots=num_slots, clock="passes", warmup=False, **engine)
+    cfg.model = model or cfg.model
     return simulate(cfg, workload, with_logits=True)
 
 
@@ -59,3 +62,20 @@ def test_greedy_and_sampled_tokens_equal_under_both_policies():
         np.testing.assert_array_equal(one[0], c[3])
     greedy = _run("continuous", w, num_slots=2).outputs
     assert any((a != b).any() for a, b in zip(greedy, s)), "sampling must change some tokens"
+
+
+def test_a_bfloat16_kv_cache_keeps_tokens_independent_of_the_slot_count():
+    """float32 compute over a bfloat16 cache: half the KV bytes, and a request's greedy tokens are
+    the same alone and sharing 4 slots (bfloat16 compute is not: see README, Batch invariance)."""
+    model = dataclasses.replace(TEST_MODEL, kv_dtype="bfloat16")
+    assert model.spec().kv_bytes_per_token * 2 == TEST_MODEL.spec().kv_bytes_per_token
+    w = make_workload(PROMPTS, BUDGETS)
+    shared = _run("continuous", w, num_slots=4, model=model)
+    f32 = _run("continuous", w, num_slots=4)
+    for i in range(len(PROMPTS)):
+        alone = _run("continuous", w.subset([i]), num_slots=1, model=model)
+        np.testing.assert_array_equal(shared.outputs[i], alone.outputs[0])
+    # The rounded cache moves logits by about bfloat16's step, never more than 1e-2 here.
+    a, b = per_request_logits(shared, len(PROMPTS)), per_request_logits(f32, len(PROMPTS))
+    gap = max(float(np.abs(a[i] - b[i]).max()) for i in a)
+    assert 0 < gap < 1e-2

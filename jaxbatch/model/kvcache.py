@@ -169,7 +169,7 @@ class PagedCache:
 
 def init_paged_cache(spec: ModelSpec, num_blocks: int, block_size: int) -> PagedCache:
     shape = (num_blocks, spec.n_kv_heads, block_size, spec.head_dim)
-    zeros = tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.n_layers))
+    zeros = tuple(jnp.zeros(shape, spec.kv_jnp_dtype) for _ in range(spec.n_layers))
     return PagedCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
 
 
@@ -178,7 +178,7 @@ def init_slot_cache(spec: ModelSpec, num_slots: int) -> SlotCache:
 
     def layer():
         return tuple(
-            jnp.zeros((num_slots, spec.n_kv_heads, hi - lo, spec.head_dim), spec.jnp_dtype)
+            jnp.zeros((num_slots, spec.n_kv_heads, hi - lo, spec.head_dim), spec.kv_jnp_dtype)
             for lo, hi in zip(bounds, bounds[1:])
         )
 

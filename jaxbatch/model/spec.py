@@ -23,7 +23,8 @@ class ModelSpec:
     max_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    dtype: str = "float32"
+    dtype: str = "float32"  # matmul inputs (accumulation and the residual stream: float32)
+    kv_dtype: str = "auto"  # the KV cache's; auto: dtype's
 
     @property
     def head_dim(self) -> int:
@@ -34,9 +35,13 @@ class ModelSpec:
         return DTYPES[self.dtype]
 
     @property
+    def kv_jnp_dtype(self):
+        return DTYPES[self.dtype if self.kv_dtype == "auto" else self.kv_dtype]
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V that one token position occupies across all layers."""
-        itemsize = jnp.dtype(self.jnp_dtype).itemsize
+        itemsize = jnp.dtype(self.kv_jnp_dtype).itemsize
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
     @property

@@ -6,6 +6,8 @@ knows nothing of scheduling. With no cache it is the uncached reference forward 
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,11 @@ from jaxbatch.model.pass_attention import pass_attention
 from jaxbatch.model.spec import ModelSpec
 
 _init = nn.initializers.normal(stddev=0.02)
+# Matmuls take `spec.dtype` inputs and accumulate (and return) float32, as accelerators' bfloat16
+# matmuls do; the residual stream stays float32. In bfloat16 this does not make tokens independent
+# of a request's neighbours (README, "Batch invariance"): XLA's dot sums in an order that depends
+# on the row count, and a difference that crosses a bfloat16 rounding step is then 2^-8.
+_f32_accumulate = partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nn.Module):
@@ -40,8 +47,9 @@ class Block(nn.Module):
 
         def dense(features, axis=-1, name=None):
             return nn.DenseGeneral(
-                features, axis=axis, use_bias=False, dtype=dt, kernel_init=_init, name=name
-            )
+                features, axis=axis, use_bias=False, dtype=dt, kernel_init=_init, name=name,
+                dot_general=_f32_accumulate,
+            )  # fmt: skip
 
         h = RMSNorm(s.norm_eps, name="attn_norm")(x)
         q = rope(dense((s.n_heads, s.head_dim), name="q")(h), positions, s.rope_theta)
@@ -80,7 +88,7 @@ class Transformer(nn.Module):
     ):
         s = self.spec
         x = nn.Embed(s.vocab_size, s.d_model, embedding_init=_init, name="embed")(tokens)
-        x = x.astype(s.jnp_dtype)
+        x = x.astype(jnp.float32)
         new_kv = []
         for layer in range(s.n_layers):
             block = Block(s, layer, name=f"layer_{layer}")
@@ -89,7 +97,10 @@ class Transformer(nn.Module):
         x = RMSNorm(s.norm_eps, name="final_norm")(x)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
-        head = nn.Dense(s.vocab_size, use_bias=False, dtype=s.jnp_dtype, kernel_init=_init)
+        head = nn.Dense(
+            s.vocab_size, use_bias=False, dtype=s.jnp_dtype, kernel_init=_init,
+            dot_general=_f32_accumulate,
+        )  # fmt: skip
         logits = head(x).astype(jnp.float32)
         ks, vs = zip(*new_kv)
         return logits, (ks, vs), cache
