@@ -204,6 +204,12 @@ def validate(cfg: Config) -> None:
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
         raise ConfigError("engine.clock", e.clock, "the simulator has no wall time: use passes")
+    if e.backend == "simulator" and cfg.output.tokens:
+        raise ConfigError(
+            "output.tokens", cfg.output.tokens,
+            "the simulator runs no model, so it has no tokens to write: use engine.backend=runner "
+            "or output.tokens=false",
+        )  # fmt: skip
     if e.temperature < 0:
         raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:

@@ -47,6 +47,17 @@ def test_a_length_distribution_that_can_yield_zero_tokens_is_refused(part):
         validate(cfg)
 
 
+def test_the_simulator_refuses_to_write_tokens_it_has_not_got():
+    cfg = make_config(backend="simulator", clock="passes")
+    cfg.output.tokens = True
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value) == (
+        "output.tokens=True is not valid: the simulator runs no model, so it has no tokens to "
+        "write: use engine.backend=runner or output.tokens=false"
+    )
+
+
 def test_eos_id_must_be_in_the_vocabulary():
     for eos in (256, -2):
         cfg = make_config(eos_id=eos)
