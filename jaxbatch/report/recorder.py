@@ -56,11 +56,14 @@ class Recorder:
     def add(
         self, start, duration, plan: Plan, holder, computed_tokens, kv_tokens, kv_reserved
     ) -> int:
-        """Record one pass; returns how many output tokens it produced."""
+        """Record one pass; returns how many output tokens it produced. Keeps copies of the plan's
+        per-slot rows, never views: a view would keep the whole array it came from alive (the
+        host loop's packed plan holds every slot's block table: a passes x slots x blocks grid)."""
         emits = emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len)
+        own = lambda a: np.array(a, np.int32)  # noqa: E731
         self._rows.append(
-            (start, duration, int(plan.kind), plan.req, plan.num_tokens, plan.start_pos,
-             holder, emits, computed_tokens, kv_tokens, kv_reserved)
+            (start, duration, int(plan.kind), own(plan.req), own(plan.num_tokens),
+             own(plan.start_pos), own(holder), emits, computed_tokens, kv_tokens, kv_reserved)
         )  # fmt: skip
         return int(emits.sum())
 
