@@ -204,12 +204,6 @@ def validate(cfg: Config) -> None:
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
         raise ConfigError("engine.clock", e.clock, "the simulator has no wall time: use passes")
-    if e.backend == "simulator" and cfg.output.tokens:
-        raise ConfigError(
-            "output.tokens", cfg.output.tokens,
-            "the simulator runs no model, so it has no tokens to write: use engine.backend=runner "
-            "or output.tokens=false",
-        )  # fmt: skip
     if e.temperature < 0:
         raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:
@@ -250,6 +244,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("memory.budget_tokens", mem.budget_tokens, "must be >= 0")
     if not 0 <= mem.watermark < 1:
         raise ConfigError("memory.watermark", mem.watermark, "must be in [0, 1)")
+    if e.backend == "simulator" and cfg.output.tokens:
+        raise ConfigError(
+            "output.tokens", cfg.output.tokens,
+            "the simulator runs no model, so it has no tokens to write: use engine.backend=runner "
+            "or output.tokens=false",
+        )  # fmt: skip
 
 
 def register() -> None:

@@ -50,17 +50,19 @@ def test_logits_alone_equal_logits_shared(alone, policy):
         np.testing.assert_array_equal(res.outputs[i], tokens_alone[i])
 
 
-def test_greedy_and_sampled_tokens_equal_under_both_policies():
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_greedy_and_sampled_tokens_equal_under_both_policies(kv_dtype):
+    model = dataclasses.replace(TEST_MODEL, kv_dtype=kv_dtype)
     w = make_workload([7, 40, 20, 3, 15], [9, 4, 12, 6, 5], arrival=[0, 0, 2, 3, 3])
     for engine in ({}, {"temperature": 0.8, "top_k": 20, "seed": 3}):
-        s = _run("static", w, num_slots=2, **engine).outputs
-        c = _run("continuous", w, num_slots=2, **engine).outputs
-        one = _run("continuous", w.subset([3]), num_slots=1, **engine).outputs
+        s = _run("static", w, num_slots=2, model=model, **engine).outputs
+        c = _run("continuous", w, num_slots=2, model=model, **engine).outputs
+        one = _run("continuous", w.subset([3]), num_slots=1, model=model, **engine).outputs
         for a, b, m in zip(s, c, w.max_new):
             assert len(a) == m
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(one[0], c[3])
-    greedy = _run("continuous", w, num_slots=2).outputs
+    greedy = _run("continuous", w, num_slots=2, model=model).outputs
     assert any((a != b).any() for a, b in zip(greedy, s)), "sampling must change some tokens"
 
 
