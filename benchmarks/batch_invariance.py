@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.cli import simulate
 from jaxbatch.config import (
     Config,
     EngineConfig,
@@ -27,6 +26,7 @@ from jaxbatch.config import (
     PolicyConfig,
     WorkloadConfig,
 )
+from jaxbatch.run import simulate
 from jaxbatch.workload import from_config
 
 

@@ -20,8 +20,8 @@ import jax
 from common import config, decode_plan, median
 
 from jaxbatch.backend.runner import _jitted_pass, _pass
-from jaxbatch.cli import build_backend, memory_spec
 from jaxbatch.config import LengthConfig
+from jaxbatch.run import build_backend, memory_spec
 from jaxbatch.workload import from_config
 
 

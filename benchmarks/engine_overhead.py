@@ -16,8 +16,8 @@ import numpy as np
 from common import config, decode_plan, median
 
 from jaxbatch.backend.runner import _jitted_pass
-from jaxbatch.cli import build_backend, memory_spec, simulate
 from jaxbatch.config import LengthConfig
+from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.workload import from_config
 
 

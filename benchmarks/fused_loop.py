@@ -15,18 +15,17 @@ passes are cheapest. `--prompt 64 128 --output 4 8 --budget 64` gives a prefill-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
 import numpy as np
 from common import config, median
 
-from jaxbatch.cli import build_backend, memory_spec, policy_options, simulate
 from jaxbatch.config import LengthConfig
-from jaxbatch.fused import run_fused
 from jaxbatch.report.recorder import Record
-from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import Plan, init_state
+from jaxbatch.run import build_backend, memory_spec, simulate
+from jaxbatch.sched.state import Plan
 from jaxbatch.workload import from_config
 
 
@@ -63,18 +62,16 @@ def measure(args, slots: int) -> None:
     cfg.policy.token_budget = args.budget
     w = from_config(cfg.workload)
     memory = memory_spec(cfg)
-    policy = make_policy("chunked", "fcfs", **policy_options(cfg))
+    fused_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="fused"))
     host, fused, floor = [], [], []
     for _ in range(args.repeats):
         res = simulate(cfg, w)
         tokens = res.record.emits.sum()
         host.append(tokens / res.duration_s)
-        state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool), slots,
-                           memory=memory)  # fmt: skip
-        out = run_fused(policy, PolicyParams(), state, build_backend(cfg, w, memory), 1 << 16)
+        out = simulate(fused_cfg, w)
         fused.append(out.record.emits.sum() / out.duration_s)
         same = all((a == b).all() for a, b in zip(out.outputs, res.outputs))
-        floor.append(tokens / replay(cfg, w, memory, res.record, state.block_table.shape[1]))
+        floor.append(tokens / replay(cfg, w, memory, res.record, memory.max_blocks))
     kinds = np.bincount(res.record.kind, minlength=4)
     print(
         f"chunked, budget {args.budget}, {n} offline requests, {slots} slots, "

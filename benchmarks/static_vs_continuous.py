@@ -20,8 +20,8 @@ import argparse
 
 from common import config, median
 
-from jaxbatch.cli import simulate
 from jaxbatch.config import LengthConfig
+from jaxbatch.run import simulate
 from jaxbatch.sched.state import PREFILL
 from jaxbatch.workload import from_config
 

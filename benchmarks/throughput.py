@@ -10,8 +10,8 @@ import argparse
 
 from common import config, median
 
-from jaxbatch.cli import simulate
 from jaxbatch.config import LengthConfig
+from jaxbatch.run import simulate
 from jaxbatch.workload import from_config
 
 

@@ -1,4 +1,5 @@
-"""The Hydra entry point (`jaxbatch`): builds a run from the config, runs it, writes its outputs.
+"""The Hydra entry point (`jaxbatch`): runs a config (`run.simulate`), writes its outputs and
+prints the summary.
 
 `execute(cfg, out_dir)` is the whole run without Hydra, for tests and scripts. Bad input stops
 with one message naming the field (exit code 2) before anything compiles.
@@ -17,167 +18,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from jaxbatch.backend.buckets import pow2_at_least
-from jaxbatch.backend.compilation import cache_dir, use_cache
-from jaxbatch.backend.runner import Runner, Sampling
-from jaxbatch.backend.simulator import Simulator
+from jaxbatch.backend.compilation import cache_dir
 from jaxbatch.config import Config, ConfigError, register, validate
-from jaxbatch.engine import RunResult, run
-from jaxbatch.fused import run_fused
 from jaxbatch.interrupt import Interrupt, never
-from jaxbatch.model.transformer import init_params
 from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
 from jaxbatch.report.plots import plot_memory, plot_timeline
 from jaxbatch.report.sweep import summarize_sweep
-from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
-from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED, init_state
-from jaxbatch.workload import Workload, WorkloadError, from_config
+from jaxbatch.run import memory_spec, rejections, simulate
+from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED
+from jaxbatch.workload import WorkloadError, from_config
 
 register()
 # The configs live beside the package (DESIGN.md layout); an editable install finds them here.
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-
-
-def memory_spec(cfg: Config) -> MemorySpec:
-    """The KV budget in positions: budget_tokens, else budget_mib, else one max_len per slot."""
-    spec, mem = cfg.model.spec(), cfg.memory
-    if mem.budget_tokens:
-        tokens = mem.budget_tokens
-    elif mem.budget_mib:
-        tokens = int(mem.budget_mib * 2**20 // spec.kv_bytes_per_token)
-    else:
-        tokens = cfg.engine.num_slots * spec.max_len
-    return MemorySpec(tokens, spec.max_len, mem.layout, mem.reservation, mem.block_size)
-
-
-def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]:
-    """Why each request can never run ('' if it can). Stops the run with ConfigError when the
-    budget cannot hold even the smallest request, naming the smallest budget that would."""
-    spec = cfg.model.spec()
-    reasons = workload.rejections(spec.max_len)
-    need = np.asarray(memory.whole_need(workload.prompt_len, workload.max_new))
-    fits_model = np.array([not r for r in reasons])
-    if fits_model.any() and need[fits_model].min() > memory.capacity_tokens:
-        mib = lambda tokens: tokens * spec.kv_bytes_per_token / 2**20  # noqa: E731
-        smallest, largest = need[fits_model].min(), need[fits_model].max()
-        by_tokens = bool(cfg.memory.budget_tokens)
-        raise ConfigError(
-            "memory.budget_tokens" if by_tokens else "memory.budget_mib",
-            cfg.memory.budget_tokens if by_tokens else cfg.memory.budget_mib,
-            f"it holds {memory.capacity_tokens} KV positions but the smallest request needs "
-            f"{smallest}: use at least {mib(smallest):.4f} MiB (budget_tokens={smallest}); "
-            f"{mib(largest):.4f} MiB fits every request",
-        )  # fmt: skip
-    for i in np.flatnonzero(fits_model & (need > memory.capacity_tokens)):
-        reasons[i] = f"needs {need[i]} KV positions, the budget holds {memory.capacity_tokens}"
-    if memory.paged:
-        _admission_rejections(cfg, workload, memory, reasons)
-    if cfg.policy.name == "orca":  # orca never splits a prompt: one over the budget never runs
-        budget = cfg.policy.token_budget
-        for i in np.flatnonzero(workload.prompt_len > budget):
-            reasons[i] = reasons[i] or (
-                f"prompt_len {workload.prompt_len[i]} > orca's policy.token_budget {budget}"
-            )
-    return reasons
-
-
-def watermark_blocks(cfg: Config, memory: MemorySpec) -> int:
-    """Blocks that admission leaves free (paged memory)."""
-    return int(cfg.memory.watermark * memory.num_blocks)
-
-
-def _admission_rejections(
-    cfg: Config, workload: Workload, memory: MemorySpec, reasons: list[str]
-) -> None:
-    """Paged admission grants a prompt's blocks only while `memory.watermark` of the pool stays
-    free: a prompt needing more than the rest can never be admitted, even into an empty pool.
-    Stops the run (naming memory.watermark) when no request could ever be admitted; otherwise
-    rejects, with the reason, each request that could not."""
-    keep = watermark_blocks(cfg, memory)
-    room = (memory.num_blocks - keep) * memory.block_size
-    need = np.asarray(memory.need(workload.prompt_len, workload.max_new))
-    ok = np.array([not r for r in reasons])
-    if not ok.any():
-        return
-    if need[ok].min() > room:
-        most = (memory.num_blocks - need[ok].min() // memory.block_size) / memory.num_blocks
-        raise ConfigError(
-            "memory.watermark", cfg.memory.watermark,
-            f"it keeps {keep} of {memory.num_blocks} blocks free, so admission may grant "
-            f"{room} KV positions, but the smallest prompt needs {need[ok].min()}: use at most "
-            f"{most:.4f}",
-        )  # fmt: skip
-    for i in np.flatnonzero(ok & (need > room)):
-        reasons[i] = (
-            f"its prompt needs {need[i]} KV positions, admission may grant {room} "
-            f"(memory.watermark={cfg.memory.watermark} keeps {keep} blocks free)"
-        )
-
-
-def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
-    e, spec = cfg.engine, cfg.model.spec()
-    mixed_rows = 0
-    if cfg.policy.name in BUDGETED:
-        mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
-    if e.backend == "simulator":
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows)
-    return Runner(
-        spec, init_params(spec, cfg.model.seed), e.num_slots,
-        workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
-    )  # fmt: skip
-
-
-def policy_options(cfg: Config) -> dict:
-    """The static options of the token-budget policies (none for static and continuous)."""
-    p = cfg.policy
-    if p.name not in BUDGETED:
-        return {}
-    return {
-        "token_budget": p.token_budget, "threshold": p.long_prefill_threshold,
-        "max_prefills": p.max_partial_prefills,
-    }  # fmt: skip
-
-
-def simulate(
-    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never
-) -> RunResult:
-    """Run a validated config on a workload; requests that can never fit are rejected up front.
-    The run ends early, with what it did, once `stop()` says so (see `interrupt`)."""
-    e = cfg.engine
-    use_cache(cache_dir(e.compile_cache))
-    memory = memory_spec(cfg)
-    rejected = np.array([bool(r) for r in rejections(cfg, workload, memory)])
-    held = lambda x: np.where(rejected, 0, x)  # noqa: E731  (a rejected length may not fit int32)
-    state = init_state(
-        workload.arrival, held(workload.prompt_len), held(workload.max_new), rejected,
-        e.num_slots, workload.priority, memory,
-    )  # fmt: skip
-    backend = build_backend(cfg, workload, memory, with_logits)
-    ok = ~rejected
-    shapes = backend.buckets.for_workload(
-        workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged
-    )
-    shapes = shapes if e.warmup else []
-    watermark = watermark_blocks(cfg, memory)
-    params = PolicyParams(
-        max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
-        watermark_blocks=np.int32(watermark),
-    )  # fmt: skip
-    policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
-    if e.loop == "fused":
-        # Each pass feeds at least one token, and a preempted request recomputes at most its
-        # whole sequence once per preemption: a generous bound that still ends a stuck run.
-        max_passes = 4 * int((workload.prompt_len + workload.max_new)[ok].sum()) + 16
-        return run_fused(
-            policy, params, state, backend, max_passes, e.clock, cfg.output.progress, stop
-        )
-    return run(
-        policy, params, state, backend, shapes, e.clock, cfg.output.progress,
-        arrival=workload.arrival, stop=stop,
-    )  # fmt: skip
 
 
 def execute(

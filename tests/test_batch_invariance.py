@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxbatch.cli import simulate
+from jaxbatch.run import simulate
 from tests.conftest import TEST_MODEL, make_config, make_workload
 
 PROMPTS = [5, 30, 12, 60, 9, 33]

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
-from jaxbatch.cli import simulate as run_config
 from jaxbatch.engine import run
+from jaxbatch.run import simulate as run_config
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, init_state
 from tests.conftest import make_config, make_workload

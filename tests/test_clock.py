@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxbatch.cli import simulate
 from jaxbatch.clock import Clock
 from jaxbatch.report.metrics import request_times
+from jaxbatch.run import simulate
 from jaxbatch.sched.state import init_state
 from tests.conftest import make_config, make_workload
 

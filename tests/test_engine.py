@@ -8,8 +8,8 @@ import pytest
 
 from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
-from jaxbatch.cli import simulate
 from jaxbatch.engine import run
+from jaxbatch.run import simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import DECODE, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload

@@ -1,28 +1,26 @@
 """The fused on-device loop against the host loop: identical tokens and schedule for every
-request, through `run_fused` and through the `engine.loop=fused` config."""
+request, through `run.simulate` and through the `engine.loop=fused` config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from jaxbatch.cli import build_backend, execute, memory_spec, policy_options, simulate
+from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
-from jaxbatch.fused import run_fused
-from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import FINISHED, init_state
+from jaxbatch.run import simulate
+from jaxbatch.sched.state import FINISHED
 from tests.conftest import make_config, make_workload
 
 
-def _fused(cfg, w, watermark_blocks=0):
-    memory = memory_spec(cfg)
-    state = init_state(w.arrival, w.prompt_len, w.max_new, np.zeros(len(w), bool),
-                       cfg.engine.num_slots, memory=memory)  # fmt: skip
-    policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
-    params = PolicyParams(watermark_blocks=np.int32(watermark_blocks))
-    return run_fused(policy, params, state, build_backend(cfg, w, memory), 400, "passes")
+def _fused(cfg, w):
+    """The same config and workload through the fused loop."""
+    return simulate(
+        dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="fused")), w
+    )
 
 
 def _same_run(fused, host):

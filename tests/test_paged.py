@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxbatch.cli import simulate
 from jaxbatch.config import ConfigError, MemoryConfig
+from jaxbatch.run import simulate
 from jaxbatch.sched.blocks import MemorySpec, blocks_for
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, RUNNING, init_state
