@@ -13,9 +13,16 @@ from hydra.core.config_store import ConfigStore
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
-MODEL_NAMES = ("tiny", "small", "custom")
+PRESETS = (  # configs/model/: dimensions of public models, for the cost model
+    "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
+    "gpt3_13b", "gpt3_175b", "opt_13b",
+)  # fmt: skip
+MODEL_NAMES = ("tiny", "small", "custom", *PRESETS)
+HARDWARE_NAMES = (
+    "none", "a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e", "custom",
+)  # fmt: skip
 BACKENDS = ("runner", "simulator")
-CLOCKS = ("measured", "passes")
+CLOCKS = ("measured", "passes", "priced")
 LOOPS = ("host", "fused")
 
 
@@ -115,6 +122,21 @@ class MemoryConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """The accelerator a simulated run is priced for (configs/hardware/, each with its source)."""
+
+    name: str = "none"  # none: no target hardware
+    peak_tflops: float = 0.0  # dense bfloat16
+    memory_gb_s: float = 0.0
+    memory_gb: float = 0.0
+    link_gb_s: float = 0.0  # interconnect, per device
+    compute_efficiency: float = 0.7  # shares of peak a pass reaches (calibration fits them)
+    memory_efficiency: float = 0.9
+    pass_overhead_us: float = 0.0
+    tensor_parallel: int = 1  # devices a model is split over (Megatron-style)
+
+
+@dataclass
 class OutputConfig:
     tokens: bool = False  # write tokens.jsonl
     plots: bool = True
@@ -128,6 +150,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
@@ -203,7 +226,10 @@ def validate(cfg: Config) -> None:
     _positive("engine.num_slots", e.num_slots)
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
-        raise ConfigError("engine.clock", e.clock, "the simulator has no wall time: use passes")
+        raise ConfigError(
+            "engine.clock", e.clock, "the simulator has no wall time: use passes or priced"
+        )
+    _hardware(cfg)
     if e.temperature < 0:
         raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:
@@ -249,6 +275,33 @@ def validate(cfg: Config) -> None:
             "output.tokens", cfg.output.tokens,
             "the simulator runs no model, so it has no tokens to write: use engine.backend=runner "
             "or output.tokens=false",
+        )  # fmt: skip
+
+
+def _hardware(cfg: Config) -> None:
+    h, e, m = cfg.hardware, cfg.engine, cfg.model
+    _one_of("hardware.name", h.name, HARDWARE_NAMES)
+    if e.clock == "priced":
+        if e.backend != "simulator":
+            raise ConfigError(
+                "engine.clock", e.clock, "prices passes: needs engine.backend=simulator"
+            )
+        if h.name == "none":
+            raise ConfigError(
+                "hardware.name", h.name,
+                "engine.clock=priced needs hardware to price passes for: use one of "
+                + ", ".join(HARDWARE_NAMES[1:]),
+            )  # fmt: skip
+    if h.name == "none":
+        return
+    for name in ("peak_tflops", "memory_gb_s", "memory_gb", "link_gb_s", "compute_efficiency",
+                 "memory_efficiency", "tensor_parallel"):  # fmt: skip
+        _positive(f"hardware.{name}", getattr(h, name))
+    if m.n_kv_heads % h.tensor_parallel:
+        raise ConfigError(
+            "hardware.tensor_parallel", h.tensor_parallel,
+            f"must divide model.n_kv_heads={m.n_kv_heads} (and n_heads={m.n_heads}): each device "
+            "holds whole heads",
         )  # fmt: skip
 
 

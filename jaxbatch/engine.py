@@ -2,7 +2,8 @@
 
 Each iteration runs the pass, then commit and the next schedule fused in one jitted call, with one
 host sync. The clock is wall time measured from the loop's start (or one unit per pass with the
-`passes` clock); when nothing can run it jumps to the policy's wake time, so runs never sleep.
+`passes` clock, or the cost model's price of each pass with the `priced` one); when nothing can
+run it jumps to the policy's wake time, so runs never sleep.
 Warm-up compiles everything before the clock starts. No metrics or I/O here.
 
 The host needs the next plan to pick the next pass's compiled shape, so the device would idle
@@ -166,7 +167,7 @@ def run(
         total=int(np.asarray(state.max_new)[live].sum()), disable=not progress, unit="tok",
         desc=policy.name, leave=False,
     )  # fmt: skip
-    measured = clock == "measured"
+    measured, priced = clock == "measured", clock == "priced"
     last_arrival = float(np.max(times.arrival, initial=0.0))
     waits = float(params.max_wait_s) > 0  # static's wait for a full batch reads the clock
     loop_start = time.perf_counter()
@@ -208,7 +209,7 @@ def run(
             # have arrived (and no policy waits on the clock) its `now` changes nothing, so the
             # commit is queued behind the pass without a sync; the pass's end is still measured.
             jax.block_until_ready(tokens)
-        sched_at = elapsed() if measured else now + 1.0
+        sched_at = elapsed() if measured else now + (backend.price(plan_h) if priced else 1.0)
         if not times.near(sched_at):
             state = times.rebase(state, sched_at)
         state, next_plan, stats = step(state, plan, tokens, params, times.device(sched_at))

@@ -13,6 +13,12 @@ import numpy as np
 
 from jaxbatch.backend.buckets import pow2_at_least
 from jaxbatch.backend.compilation import cache_dir, use_cache
+from jaxbatch.backend.cost_model import (
+    ACTIVATION_RESERVE,
+    Hardware,
+    kv_budget_tokens,
+    weight_bytes,
+)
 from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError
@@ -26,13 +32,27 @@ from jaxbatch.sched.state import init_state
 from jaxbatch.workload import Workload
 
 
+def hardware(cfg: Config) -> Hardware | None:
+    """The target hardware of `cfg.hardware` (None: none)."""
+    h = cfg.hardware
+    if h.name == "none":
+        return None
+    return Hardware(
+        h.name, h.peak_tflops * 1e12, h.memory_gb_s * 1e9, h.memory_gb * 1e9, h.link_gb_s * 1e9,
+        h.compute_efficiency, h.memory_efficiency, h.pass_overhead_us * 1e-6,
+    )  # fmt: skip
+
+
 def memory_spec(cfg: Config) -> MemorySpec:
-    """The KV budget in positions: budget_tokens, else budget_mib, else one max_len per slot."""
-    spec, mem = cfg.model.spec(), cfg.memory
+    """The KV budget in positions: budget_tokens, else budget_mib, else what the target hardware
+    holds beside the weights, else one max_len per slot."""
+    spec, mem, hw = cfg.model.spec(), cfg.memory, hardware(cfg)
     if mem.budget_tokens:
         tokens = mem.budget_tokens
     elif mem.budget_mib:
         tokens = int(mem.budget_mib * 2**20 // spec.kv_bytes_per_token)
+    elif hw is not None:
+        tokens = _hardware_budget(cfg, spec, hw)
     else:
         tokens = cfg.engine.num_slots * spec.max_len
     return MemorySpec(tokens, spec.max_len, mem.layout, mem.reservation, mem.block_size)
@@ -67,6 +87,23 @@ def rejections(cfg: Config, workload: Workload, memory: MemorySpec) -> list[str]
                 f"prompt_len {workload.prompt_len[i]} > orca's policy.token_budget {budget}"
             )
     return reasons
+
+
+def _hardware_budget(cfg: Config, spec, hw: Hardware) -> int:
+    """KV positions the devices hold beside the weights; a model that does not fit is refused."""
+    tp = cfg.hardware.tensor_parallel
+    tokens = kv_budget_tokens(spec, hw, tp)
+    if tokens < spec.max_len:
+        weights = weight_bytes(spec) / 1e9
+        need = int(np.ceil(weights / (hw.memory_bytes * (1 - ACTIVATION_RESERVE) / 1e9)))
+        raise ConfigError(
+            "hardware.tensor_parallel", tp,
+            f"{cfg.model.name}'s weights ({weights:.1f} GB) and one max_len sequence of KV do not "
+            f"fit {tp} x {hw.memory_bytes / 1e9:g} GB of {hw.name} (less a "
+            f"{ACTIVATION_RESERVE:.0%} activation reserve): use at least {max(need, tp + 1)} "
+            "devices, a larger hardware, or a memory budget",
+        )  # fmt: skip
+    return tokens
 
 
 def watermark_blocks(cfg: Config, memory: MemorySpec) -> int:
@@ -108,7 +145,8 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
     if cfg.policy.name in BUDGETED:
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows)
+        priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
+        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced)
     return Runner(
         spec, init_params(spec, cfg.model.seed), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,

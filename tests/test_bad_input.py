@@ -21,7 +21,14 @@ from jaxbatch.workload import WorkloadError, read_trace
             "fifo",
             "policy.name='fifo' is not valid: use one of static, continuous, orca, chunked",
         ),
-        ("model", "name", "gpt5", "model.name='gpt5' is not valid: use one of tiny, small, custom"),
+        (
+            "model",
+            "name",
+            "gpt5",
+            "model.name='gpt5' is not valid: use one of tiny, small, custom, llama2_7b, "
+            "llama2_13b, llama2_70b, llama3_8b, llama3_70b, mistral_7b, qwen2_5_7b, gpt3_13b, "
+            "gpt3_175b, opt_13b",
+        ),
         ("engine", "num_slots", 0, "engine.num_slots=0 is not valid: must be > 0"),
         ("model", "d_model", -8, "model.d_model=-8 is not valid: must be > 0"),
         ("workload", "num_requests", 0, "workload.num_requests=0 is not valid: must be > 0"),
@@ -29,7 +36,7 @@ from jaxbatch.workload import WorkloadError, read_trace
             "engine",
             "clock",
             "wall",
-            "engine.clock='wall' is not valid: use one of measured, passes",
+            "engine.clock='wall' is not valid: use one of measured, passes, priced",
         ),
         ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
     ],

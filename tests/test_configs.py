@@ -30,3 +30,37 @@ def test_model_configs_compose_with_their_stated_sizes(model, params, kv_per_wei
     kv = 8 * 256 * spec.kv_bytes_per_token / 4
     weights = spec.num_params - spec.vocab_size * spec.d_model
     assert round(kv / weights, 2) == kv_per_weight
+
+
+def _composed_with(overrides: list[str]) -> Config:
+    register()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=overrides))
+
+
+@pytest.mark.parametrize(
+    "model, params",
+    [  # Hugging Face's counts of each released checkpoint (Qwen2.5 less its 129,024 QKV biases)
+        ("llama2_7b", 6_738_415_616), ("llama2_13b", 13_015_864_320),
+        ("llama2_70b", 68_976_648_192), ("llama3_8b", 8_030_261_248),
+        ("llama3_70b", 70_553_706_496), ("mistral_7b", 7_241_732_096),
+        ("qwen2_5_7b", 7_615_616_512 - 129_024),
+    ],
+)  # fmt: skip
+def test_model_presets_have_the_released_sizes(model, params):
+    cfg = _composed_with([f"model={model}", "hardware=h100_sxm", "hardware.tensor_parallel=4",
+                          "engine.backend=simulator", "engine.clock=priced"])  # fmt: skip
+    validate(cfg)
+    assert cfg.model.spec().num_params == params
+
+
+@pytest.mark.parametrize(
+    "hardware", ["a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e"]
+)
+def test_hardware_presets_compose_and_validate(hardware):
+    cfg = _composed_with(
+        [f"hardware={hardware}", "engine.backend=simulator", "engine.clock=priced"]
+    )
+    validate(cfg)
+    h = cfg.hardware
+    assert h.name == hardware and min(h.peak_tflops, h.memory_gb_s, h.memory_gb, h.link_gb_s) > 0

@@ -1,28 +1,54 @@
 """Runs a plan without a model: every slot's token is 0, requests finish by their output budget.
 
-It shares the runner's buckets so padding is counted alike. Its clock is `passes` (each pass costs
-one unit); pricing passes with a cost model is future work. It must never touch model weights.
+It shares the runner's buckets so padding is counted alike. With `priced` (a Hardware entry and a
+tensor-parallel degree) it prices each pass with the cost model (`engine.clock=priced`); otherwise
+the clock counts passes. It must never touch model weights.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
 from jaxbatch.backend.buckets import Buckets, PassShape
+from jaxbatch.backend.cost_model import Hardware, price
+from jaxbatch.model.spec import ModelSpec
 from jaxbatch.sched.state import Plan
 
 
 class Simulator:
-    def __init__(self, num_slots: int, max_len: int, min_bucket: int = 16, mixed_rows: int = 0):
+    def __init__(
+        self,
+        num_slots: int,
+        max_len: int,
+        min_bucket: int = 16,
+        mixed_rows: int = 0,
+        spec: ModelSpec | None = None,
+        priced: tuple[Hardware, int] | None = None,
+    ):
         self.buckets = Buckets(
             num_slots=num_slots, max_len=max_len, min_len=min_bucket, mixed_rows=mixed_rows
         )
         self._tokens = jnp.zeros(num_slots, jnp.int32)
+        self._price = None
+        if priced is not None:
+            hw, tp = priced
+            self._price = jax.jit(partial(price, spec, hw, tp=tp))
 
     def warmup(self, shapes: list[PassShape], stop=None) -> None:
-        """Nothing to compile."""
+        """Nothing to compile but the cost model."""
+        if self._price is not None:
+            zeros = np.zeros(self._tokens.shape[0], np.int32)
+            jax.block_until_ready(self._price(zeros, zeros, zeros > 0))
+
+    def price(self, plan: Plan) -> float:
+        """Seconds the pass of a host-side plan takes on the target hardware."""
+        fed = plan.num_tokens > 0
+        return float(self._price(plan.num_tokens, plan.start_pos, fed))
 
     def execute(
         self, plan: Plan, shape: PassShape, on_device: Plan | None = None
