@@ -19,7 +19,8 @@ PRESETS = (  # configs/model/: dimensions of public models, for the cost model
 )  # fmt: skip
 MODEL_NAMES = ("tiny", "small", "custom", *PRESETS)
 HARDWARE_NAMES = (
-    "none", "a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e", "custom",
+    "none", "a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e",
+    "cpu_local", "custom",
 )  # fmt: skip
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes", "priced")

@@ -55,7 +55,8 @@ def test_model_presets_have_the_released_sizes(model, params):
 
 
 @pytest.mark.parametrize(
-    "hardware", ["a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e"]
+    "hardware",
+    ["a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e", "cpu_local"],
 )
 def test_hardware_presets_compose_and_validate(hardware):
     cfg = _composed_with(

@@ -16,6 +16,7 @@ from jaxbatch.backend.cost_model import (
     price,
     weight_bytes,
 )
+from jaxbatch.calibrate import _terms, fit, predict, shapes
 from jaxbatch.config import ConfigError, HardwareConfig, ModelConfig, validate
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.run import hardware, memory_spec, simulate
@@ -125,3 +126,15 @@ def test_a_priced_run_charges_each_pass_its_price():
     np.testing.assert_allclose(rec.duration, want, rtol=1e-6)
     np.testing.assert_allclose(rec.start[1:], np.cumsum(want)[:-1], rtol=1e-6)
     assert priced.duration_s == pytest.approx(sum(want), rel=1e-6)
+
+
+def test_calibration_recovers_the_efficiencies_that_made_the_times():
+    spec = ModelConfig().spec()
+    terms = [_terms(spec, plan) for _, _, plan in shapes()]
+    grid = np.geomspace(0.002, 1.0, 120)
+    ce, me, overhead = grid[70], grid[100], 2e-4  # times from a known entry, on the fit's grid
+    times = predict(terms, 20e9, 100e9, ce, me, overhead)
+    got = fit(terms, times, 20e9, 100e9)
+    assert got[:2] == (pytest.approx(ce), pytest.approx(me))
+    assert got[2] == pytest.approx(overhead, rel=1e-6)
+    np.testing.assert_allclose(predict(terms, 20e9, 100e9, *got), times, rtol=1e-6)

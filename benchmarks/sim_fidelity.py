@@ -1,0 +1,61 @@
+"""The simulator priced for this machine (`hardware=cpu_local`, fitted by `jaxbatch-calibrate`)
+against real runs of the same configs, side by side: output throughput and p50 TPOT per policy, and
+their ratios (the target: within 15%). The tiny model, 64 offline requests with prompts and outputs
+uniform in 16..128, 16 slots; orca and chunked take 512 tokens a pass. Real figures are medians of
+`--repeats` runs. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from common import config, median
+from omegaconf import OmegaConf
+
+from jaxbatch.calibrate import HARDWARE_DIR
+from jaxbatch.config import HardwareConfig, LengthConfig
+from jaxbatch.report.metrics import summarize
+from jaxbatch.run import memory_spec, simulate
+from jaxbatch.workload import from_config
+
+
+def figures(cfg, workload) -> tuple[float, float]:
+    """(output tok/s, p50 TPOT s) of one run."""
+    res = simulate(cfg, workload)
+    m = summarize(res.record, res.final.status, workload.arrival, workload.prompt_len,
+                  res.duration_s, memory_spec(cfg).capacity_tokens)  # fmt: skip
+    return m["output_throughput_tok_s"], m["tpot_s"]["p50"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policies", default="static,continuous,orca,chunked")
+    args = ap.parse_args()
+    lengths = LengthConfig(dist="uniform", low=16, high=128)
+    entry = OmegaConf.to_container(OmegaConf.load(HARDWARE_DIR / "cpu_local.yaml"))
+    hardware = HardwareConfig(**entry)
+    print(f"cpu_local: compute efficiency {hardware.compute_efficiency}, memory efficiency "
+          f"{hardware.memory_efficiency}, overhead {hardware.pass_overhead_us} us")  # fmt: skip
+    print(f"{'policy':>11} {'real tok/s':>11} {'sim tok/s':>10} {'ratio':>6}   "
+          f"{'real TPOT ms':>12} {'sim TPOT ms':>11} {'ratio':>6}")  # fmt: skip
+    for policy in args.policies.split(","):
+        cfg = config(policy, 16, 64, lengths, lengths, "tiny")
+        cfg.policy.token_budget = 512
+        workload = from_config(cfg.workload)
+        real = [figures(cfg, workload) for _ in range(args.repeats)]
+        tok, tpot = median([r[0] for r in real]), median([r[1] for r in real])
+        sim_cfg = dataclasses.replace(
+            cfg, hardware=hardware,
+            engine=dataclasses.replace(cfg.engine, backend="simulator", clock="priced"),
+            # the real run's KV budget, not what cpu_local's memory would hold
+            memory=dataclasses.replace(cfg.memory, budget_tokens=memory_spec(cfg).budget_tokens),
+        )  # fmt: skip
+        sim_tok, sim_tpot = figures(sim_cfg, workload)
+        print(f"{policy:>11} {tok:11.1f} {sim_tok:10.1f} {sim_tok / tok:6.2f}   "
+              f"{1e3 * tpot:12.2f} {1e3 * sim_tpot:11.2f} {sim_tpot / tpot:6.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
