@@ -52,6 +52,8 @@ def execute(
         "policy": cfg.policy.name,
         "backend": cfg.engine.backend,
         "clock": cfg.engine.clock,
+        "hardware": cfg.hardware.name,  # what a priced clock priced passes for (none: no pricing)
+        "tensor_parallel": cfg.hardware.tensor_parallel,
         "loop": cfg.engine.loop,
         "num_slots": cfg.engine.num_slots,
         "num_requests": len(workload),

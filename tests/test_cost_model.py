@@ -17,6 +17,7 @@ from jaxbatch.backend.cost_model import (
     weight_bytes,
 )
 from jaxbatch.calibrate import _terms, fit, predict, shapes
+from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, HardwareConfig, ModelConfig, validate
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.run import hardware, memory_spec, simulate
@@ -138,3 +139,13 @@ def test_calibration_recovers_the_efficiencies_that_made_the_times():
     assert got[:2] == (pytest.approx(ce), pytest.approx(me))
     assert got[2] == pytest.approx(overhead, rel=1e-6)
     np.testing.assert_allclose(predict(terms, 20e9, 100e9, *got), times, rtol=1e-6)
+
+
+def test_metrics_name_the_hardware_a_run_was_priced_for(tmp_path):
+    cfg = _with("llama3_8b", "h200", tp=2)
+    cfg.workload.num_requests = 4
+    m = execute(cfg, tmp_path)
+    assert (m["clock"], m["hardware"], m["tensor_parallel"]) == ("priced", "h200", 2)
+    assert m["num_finished"] == 4 and m["duration_s"] > 0
+    spec = cfg.model.spec()
+    assert m["kv_budget_tokens"] == kv_budget_tokens(spec, hardware(cfg), 2)
