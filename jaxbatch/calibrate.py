@@ -25,10 +25,19 @@ import numpy as np
 
 from jaxbatch.backend.cost_model import pass_work
 from jaxbatch.backend.runner import Runner
-from jaxbatch.config import ModelConfig
+from jaxbatch.config import (
+    Config,
+    EngineConfig,
+    LengthConfig,
+    ModelConfig,
+    OutputConfig,
+    WorkloadConfig,
+)
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
+from jaxbatch.run import simulate
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
+from jaxbatch.workload import from_config
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 
@@ -173,10 +182,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_overhead(spec: ModelSpec, bandwidth: float, peak: float, ce: float, me: float) -> float:
     """Median over a real run's passes of the measured time less the priced work."""
-    from jaxbatch.config import Config, EngineConfig, LengthConfig, OutputConfig, WorkloadConfig
-    from jaxbatch.run import simulate
-    from jaxbatch.workload import from_config
-
     lengths = LengthConfig(dist="uniform", low=16, high=128)
     cfg = Config(
         workload=WorkloadConfig(num_requests=64, prompt=lengths, output=lengths),
