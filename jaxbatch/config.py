@@ -24,7 +24,7 @@ HARDWARE_NAMES = (
 )  # fmt: skip
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes", "priced")
-LOOPS = ("host", "fused")
+LOOPS = ("host", "fused", "device")
 
 
 class ConfigError(ValueError):
@@ -242,6 +242,12 @@ def validate(cfg: Config) -> None:
         )  # fmt: skip
     _positive("engine.min_bucket", e.min_bucket)
     _one_of("engine.loop", e.loop, LOOPS)
+    if e.loop == "device" and (e.backend != "simulator" or e.clock == "measured"):
+        raise ConfigError(
+            "engine.loop", e.loop,
+            "runs the simulator on the device: needs engine.backend=simulator and "
+            "engine.clock=passes or priced",
+        )  # fmt: skip
     if e.loop == "fused":
         if p.name not in ("orca", "chunked"):
             raise ConfigError(

@@ -29,6 +29,7 @@ from jaxbatch.model.transformer import init_params
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
+from jaxbatch.sim_loop import run_device
 from jaxbatch.workload import Workload
 
 
@@ -191,6 +192,9 @@ def simulate(
         watermark_blocks=np.int32(watermark),
     )  # fmt: skip
     policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
+    if e.loop == "device":  # every pass feeds a token; paged runs may recompute (preemption)
+        fed = int((workload.prompt_len + workload.max_new)[ok].sum())
+        return run_device(policy, params, state, backend, (4 if memory.paged else 1) * fed + 16)
     if e.loop == "fused":
         # Each pass feeds at least one token, and a preempted request recomputes at most its
         # whole sequence once per preemption: a generous bound that still ends a stuck run.

@@ -34,10 +34,15 @@ class Simulator:
             num_slots=num_slots, max_len=max_len, min_len=min_bucket, mixed_rows=mixed_rows
         )
         self._tokens = jnp.zeros(num_slots, jnp.int32)
-        self._price = None
+        self._price = self.price_plan = None
         if priced is not None:
             hw, tp = priced
             self._price = jax.jit(partial(price, spec, hw, tp=tp))
+
+            def price_plan(plan: Plan) -> Array:  # for jitted code: a plan's price on device
+                return price(spec, hw, plan.num_tokens, plan.start_pos, plan.num_tokens > 0, tp)
+
+            self.price_plan = price_plan
 
     def warmup(self, shapes: list[PassShape], stop=None) -> None:
         """Nothing to compile but the cost model."""

@@ -1,0 +1,126 @@
+"""The simulator's device loop: a whole schedule-only run (schedule, price, commit, record) as one
+`lax.while_loop`, for every policy and any arrival process.
+
+Each iteration schedules at the loop's clock; an idle plan moves the clock to its `wait_until`
+(the host loop's jump), any other plan is a pass: it is charged one unit (the `passes` clock) or
+its price (`priced`), every fed slot's token is 0, and the commit ends requests by their output
+budget. The plans are the host loop's, since both call the same `schedule` and `commit` in the same
+order (a test holds them equal for every policy). The clock is float32 on the device: exact for
+pass counts up to 2^24 and for priced times to float32's step (a microsecond up to 8 s); the host
+loop keeps float64 times. Results come back once, at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.backend.simulator import Simulator
+from jaxbatch.engine import RunResult, kv_live, kv_reserved
+from jaxbatch.report.recorder import Record, emitted
+from jaxbatch.sched.policies import Policy, PolicyParams
+from jaxbatch.sched.state import IDLE, Plan, SchedState
+
+FIELDS = ("req", "num_tokens", "start_pos", "holder")  # [P, B] rows of the record
+
+
+def device_loop(
+    policy: Policy,
+    params: PolicyParams,
+    state: SchedState,
+    price: Callable[[Plan], jax.Array] | None,
+    max_passes: int,
+):
+    """The loop as a pure function of (params, state): returns the final state, the passes run
+    and the record's arrays. `price` None charges a pass one unit. Jittable and vmappable over
+    the arrays of `params` and `state`."""
+    b = state.num_slots
+    grid = jnp.full((max_passes, b), -1, jnp.int32)
+    zeros = jnp.zeros(max_passes, jnp.float32)
+    rec = {
+        "req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
+        "kind": jnp.zeros(max_passes, jnp.int32), "start": zeros, "duration": zeros,
+        "kv": jnp.zeros(max_passes, jnp.int32), "granted": jnp.zeros(max_passes, jnp.int32),
+    }  # fmt: skip
+
+    def cond(carry):
+        _, p, _, done, _ = carry
+        return ~done & (p < max_passes)
+
+    def body(carry):
+        st, p, now, _, rec = carry
+        st, plan = policy.schedule(st.replace(now=now), params)
+        idle = plan.kind == IDLE
+        cost = jnp.float32(1.0) if price is None else price(plan).astype(jnp.float32)
+        holder = st.slot_req
+        committed = policy.commit(st, plan, jnp.zeros(b, jnp.int32), params)
+        kv, granted = kv_live(committed, holder), kv_reserved(committed)
+        row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
+               "holder": holder, "kind": plan.kind, "start": now, "duration": cost, "kv": kv,
+               "granted": granted}  # fmt: skip
+        at = jnp.where(idle, max_passes, p)  # an idle plan records nothing
+        rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
+        st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
+        now = jnp.where(idle, jnp.maximum(now, plan.wait_until), now + cost)
+        done = idle & ~jnp.isfinite(plan.wait_until)
+        return st, p + (~idle).astype(jnp.int32), now, done, rec
+
+    init = (state, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec)
+    st, p, _, _, rec = jax.lax.while_loop(cond, body, init)
+    return st, p, rec
+
+
+def run_device(
+    policy: Policy,
+    params: PolicyParams,
+    state: SchedState,
+    backend: Simulator,
+    max_passes: int,
+) -> RunResult:
+    """A simulated run through `device_loop`, timed as a whole; its record as the host loop's
+    (computed tokens from the simulator's buckets, as the host loop counts them)."""
+    loop = jax.jit(lambda params, state: device_loop(policy, params, state, backend.price_plan,
+                                                     max_passes))  # fmt: skip
+    compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
+    compiled = loop.lower(params, state).compile()
+    warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    compiles_warm = num_compiles()
+    final, p, rec = jax.device_get(jax.block_until_ready(compiled(params, state)))
+    wall_s = time.perf_counter() - t0
+    p = int(p)
+    if p == max_passes:
+        raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
+    rows = {k: np.asarray(rec[k][:p]) for k in rec}
+    plans = [
+        Plan(
+            rows["req"][i],
+            rows["num_tokens"][i],
+            rows["start_pos"][i],
+            rows["kind"][i],
+            np.float32(0),
+            np.zeros((state.num_slots, 0), np.int32),
+        )
+        for i in range(p)
+    ]
+    computed = [backend.buckets.shape_of(plan) for plan in plans]
+    record = Record(
+        start=rows["start"].astype(np.float64), duration=rows["duration"].astype(np.float64),
+        kind=rows["kind"], req=rows["req"], num_tokens=rows["num_tokens"],
+        start_pos=rows["start_pos"], holder=rows["holder"],
+        emits=emitted(rows["req"], rows["num_tokens"], rows["start_pos"],
+                      np.asarray(final.prompt_len)),
+        computed_tokens=np.array([s.rows * s.tokens for s in computed], np.int64),
+        kv_tokens=rows["kv"].astype(np.int64), kv_reserved=rows["granted"].astype(np.int64),
+    )  # fmt: skip
+    end = float(record.start[-1] + record.duration[-1]) if p else 0.0
+    return RunResult(
+        record=record, final=final, outputs=None, logits=None, duration_s=end,
+        warmup_s=warmup_s, num_compiles=num_compiles() - compiles0,
+        compiles_after_warmup=num_compiles() - compiles_warm, cache_hits=cache_hits() - hits0,
+        wall_s=wall_s,
+    )  # fmt: skip
