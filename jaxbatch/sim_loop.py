@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +30,8 @@ from jaxbatch.sched.state import IDLE, Plan, SchedState
 FIELDS = ("req", "num_tokens", "start_pos", "holder")  # [P, B] rows of the record
 
 
-def device_loop(
-    policy: Policy,
-    params: PolicyParams,
-    state: SchedState,
-    price: Callable[[Plan], jax.Array] | None,
-    max_passes: int,
-):
-    """The loop as a pure function of (params, state): returns the final state, the passes run
-    and the record's arrays. `price` None charges a pass one unit. Jittable and vmappable over
-    the arrays of `params` and `state`."""
+def _start(state: SchedState, max_passes: int):
+    """The loop's first carry: state, passes run, clock, done, and an empty record."""
     b = state.num_slots
     grid = jnp.full((max_passes, b), -1, jnp.int32)
     zeros = jnp.zeros(max_passes, jnp.float32)
@@ -47,31 +40,70 @@ def device_loop(
         "kind": jnp.zeros(max_passes, jnp.int32), "start": zeros, "duration": zeros,
         "kv": jnp.zeros(max_passes, jnp.int32), "granted": jnp.zeros(max_passes, jnp.int32),
     }  # fmt: skip
+    return state, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec
 
-    def cond(carry):
-        _, p, _, done, _ = carry
-        return ~done & (p < max_passes)
 
-    def body(carry):
-        st, p, now, _, rec = carry
-        st, plan = policy.schedule(st.replace(now=now), params)
-        idle = plan.kind == IDLE
-        cost = jnp.float32(1.0) if price is None else price(plan).astype(jnp.float32)
-        holder = st.slot_req
-        committed = policy.commit(st, plan, jnp.zeros(b, jnp.int32), params)
-        kv, granted = kv_live(committed, holder), kv_reserved(committed)
-        row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
-               "holder": holder, "kind": plan.kind, "start": now, "duration": cost, "kv": kv,
-               "granted": granted}  # fmt: skip
-        at = jnp.where(idle, max_passes, p)  # an idle plan records nothing
-        rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
-        st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
-        now = jnp.where(idle, jnp.maximum(now, plan.wait_until), now + cost)
-        done = idle & ~jnp.isfinite(plan.wait_until)
-        return st, p + (~idle).astype(jnp.int32), now, done, rec
+def _step(policy: Policy, params: PolicyParams, price, max_passes: int, carry):
+    """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass.
+    A finished run (or one at max_passes) is left as it is, so members of a sweep can step on
+    together until the last ends."""
+    st0, p, now0, done0, rec = carry
+    halted = done0 | (p >= max_passes)
+    st, plan = policy.schedule(st0.replace(now=now0), params)
+    idle = plan.kind == IDLE
+    cost = jnp.float32(1.0) if price is None else price(plan).astype(jnp.float32)
+    holder = st.slot_req
+    committed = policy.commit(st, plan, jnp.zeros(st.num_slots, jnp.int32), params)
+    kv, granted = kv_live(committed, holder), kv_reserved(committed)
+    row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
+           "holder": holder, "kind": plan.kind, "start": now0, "duration": cost, "kv": kv,
+           "granted": granted}  # fmt: skip
+    at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
+    rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
+    st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
+    now = jnp.where(idle, jnp.maximum(now0, plan.wait_until), now0 + cost)
+    done = idle & ~jnp.isfinite(plan.wait_until)
+    keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(halted, o, n), old, new)  # noqa: E731
+    st, now, done = keep(st0, st), keep(now0, now), done0 | done
+    return st, p + (~idle & ~halted).astype(jnp.int32), now, done, rec
 
-    init = (state, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec)
-    st, p, _, _, rec = jax.lax.while_loop(cond, body, init)
+
+def _live(max_passes: int, carry):
+    _, p, _, done, _ = carry
+    return ~done & (p < max_passes)
+
+
+def device_loop(
+    policy: Policy,
+    params: PolicyParams,
+    state: SchedState,
+    price: Callable[[Plan], jax.Array] | None,
+    max_passes: int,
+):
+    """The loop as a pure function of (params, state): returns the final state, the passes run
+    and the record's arrays. `price` None charges a pass one unit. Jittable; for many runs at
+    once use `sweep_loop` (a vmapped while_loop would copy every member's record each pass)."""
+    step = partial(_step, policy, params, price, max_passes)
+    st, p, _, _, rec = jax.lax.while_loop(partial(_live, max_passes), step,
+                                          _start(state, max_passes))  # fmt: skip
+    return st, p, rec
+
+
+def sweep_loop(
+    policy: Policy,
+    params: PolicyParams,
+    states: SchedState,
+    price: Callable[[Plan], jax.Array] | None,
+    max_passes: int,
+):
+    """`device_loop` for a batch of runs (`states` stacked on a leading axis, as for vmap): one
+    while_loop whose body steps every member (vmapped), until the last ends. Member i equals
+    `device_loop` on states[i], field for field."""
+    step = jax.vmap(partial(_step, policy, params, price, max_passes))
+    start = jax.vmap(partial(_start, max_passes=max_passes))(states)
+    st, p, _, _, rec = jax.lax.while_loop(
+        lambda c: jax.vmap(partial(_live, max_passes))(c).any(), step, start
+    )
     return st, p, rec
 
 

@@ -13,7 +13,7 @@ from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
 from jaxbatch.run import simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
-from jaxbatch.sim_loop import device_loop
+from jaxbatch.sim_loop import device_loop, sweep_loop
 from tests.conftest import make_config, make_workload
 
 H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory_gb=80,
@@ -64,7 +64,7 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
 
 
 def test_vmapped_members_equal_the_same_runs_one_by_one():
-    """Three arrival processes (a rate sweep) as one vmapped program, field for field."""
+    """Three arrival processes (a rate sweep) as one program (`sweep_loop`), field for field."""
     policy, params = make_policy("continuous"), PolicyParams()
     n = len(PROMPTS)
 
@@ -76,7 +76,7 @@ def test_vmapped_members_equal_the_same_runs_one_by_one():
     states = [state(s) for s in scales]
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
     run = jax.jit(lambda st: device_loop(policy, params, st, None, 512))
-    together = jax.vmap(run)(stacked)
+    together = jax.jit(lambda sts: sweep_loop(policy, params, sts, None, 512))(stacked)
     for i, st in enumerate(states):
         alone = run(st)
         member = jax.tree.map(lambda x, i=i: x[i], together)

@@ -1,0 +1,85 @@
+"""Simulated passes per second: the host loop, the device loop, and a sweep of `--members` arrival
+rates as one vmapped device loop against the same runs one after another (the target: 10x).
+Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
+16..256) per run, Llama-3 8B priced on one H100. Compilation is excluded from every figure and
+printed apart. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from common import config
+from omegaconf import OmegaConf
+
+from jaxbatch.calibrate import HARDWARE_DIR
+from jaxbatch.config import HardwareConfig, LengthConfig, ModelConfig
+from jaxbatch.run import build_backend, memory_spec, simulate
+from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.state import init_state
+from jaxbatch.sim_loop import device_loop, sweep_loop
+from jaxbatch.workload import from_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--members", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--slots", type=int, default=32)
+    args = ap.parse_args()
+    cfg = config("continuous", args.slots, args.requests,
+                 LengthConfig(dist="uniform", low=16, high=512),
+                 LengthConfig(dist="uniform", low=16, high=256), "tiny")  # fmt: skip
+    cfg.model = ModelConfig(**OmegaConf.to_container(OmegaConf.load(
+        HARDWARE_DIR.parent / "model" / "llama3_8b.yaml")))  # fmt: skip
+    cfg.hardware = HardwareConfig(**OmegaConf.to_container(OmegaConf.load(
+        HARDWARE_DIR / "h100_sxm.yaml")))  # fmt: skip
+    cfg.engine = dataclasses.replace(cfg.engine, backend="simulator", clock="priced")
+    cfg.workload.arrival, cfg.workload.rate = "poisson", 20.0
+    workload = from_config(cfg.workload)
+    for loop in ("host", "device"):
+        run_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop=loop))
+        simulate(run_cfg, workload)  # compiles
+        t0 = time.perf_counter()
+        res = simulate(run_cfg, workload)
+        seconds = time.perf_counter() - t0
+        print(f"{loop:>6} loop, one run: {res.record.num_passes} passes in {seconds:.2f} s "
+              f"({res.record.num_passes / seconds:,.0f} passes/s, compile excluded: "
+              f"{res.warmup_s:.1f} s apart)")  # fmt: skip
+    # A sweep over arrival rates: the same requests, arrivals stretched from 0.25x to 4x.
+    memory = memory_spec(cfg)
+    backend = build_backend(cfg, workload, memory)
+    policy, params = make_policy("continuous"), PolicyParams()
+    fed = int((workload.prompt_len + workload.max_new).sum()) + 16
+    scales = np.geomspace(0.25, 4.0, args.members)
+
+    def state(scale):
+        return init_state(workload.arrival * scale, workload.prompt_len, workload.max_new,
+                          np.zeros(len(workload), bool), args.slots, memory=memory)  # fmt: skip
+
+    states = [state(s) for s in scales]
+    one = jax.jit(lambda st: device_loop(policy, params, st, backend.price_plan, fed))
+    many = jax.jit(lambda sts: sweep_loop(policy, params, sts, backend.price_plan, fed))
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+    t0 = time.perf_counter()
+    jax.block_until_ready(one(states[0]))
+    jax.block_until_ready(many(stacked))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    passes = sum(int(jax.block_until_ready(one(st))[1]) for st in states)
+    sequential = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(many(stacked))
+    vmapped = time.perf_counter() - t0
+    assert int(np.asarray(out[1]).sum()) == passes
+    print(f"{args.members} members, {passes} passes in all (compile {compile_s:.1f} s apart): "
+          f"one by one {sequential:.2f} s ({passes / sequential:,.0f} passes/s), vmapped "
+          f"{vmapped:.2f} s ({passes / vmapped:,.0f} passes/s): {sequential / vmapped:.1f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
