@@ -194,7 +194,8 @@ def simulate(
     policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
     if e.loop == "device":  # every pass feeds a token; paged runs may recompute (preemption)
         fed = int((workload.prompt_len + workload.max_new)[ok].sum())
-        return run_device(policy, params, state, backend, (4 if memory.paged else 1) * fed + 16)
+        passes = (4 if memory.paged else 1) * fed + 16
+        return run_device(policy, params, state, backend, passes, cfg.output.progress, stop)
     if e.loop == "fused":
         # Each pass feeds at least one token, and a preempted request recomputes at most its
         # whole sequence once per preemption: a generous bound that still ends a stuck run.

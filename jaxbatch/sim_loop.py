@@ -5,9 +5,10 @@ Each iteration schedules at the loop's clock; an idle plan moves the clock to it
 (the host loop's jump), any other plan is a pass: it is charged one unit (the `passes` clock) or
 its price (`priced`), every fed slot's token is 0, and the commit ends requests by their output
 budget. The plans are the host loop's, since both call the same `schedule` and `commit` in the same
-order (a test holds them equal for every policy). The clock is float32 on the device: exact for
-pass counts up to 2^24 and for priced times to float32's step (a microsecond up to 8 s); the host
-loop keeps float64 times. Results come back once, at the end.
+order (a test holds them equal for every policy). A run goes in segments of about SEGMENT_S
+seconds, between which the host reads Ctrl-C and advances the progress bar. The clock is float32
+on the device: exact for pass counts up to 2^24 and for priced times to float32's step (a
+microsecond up to 8 s); the host loop keeps float64 times. Results come back at the end.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
+from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, emitted
 from jaxbatch.sched.policies import Policy, PolicyParams
-from jaxbatch.sched.state import IDLE, Plan, SchedState
+from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, Plan, SchedState
 
-FIELDS = ("req", "num_tokens", "start_pos", "holder")  # [P, B] rows of the record
+SEGMENT_S = 0.25  # run_device's segments last about this long: Ctrl-C is read between them
 
 
 def _start(state: SchedState, max_passes: int):
@@ -113,19 +116,44 @@ def run_device(
     state: SchedState,
     backend: Simulator,
     max_passes: int,
+    progress: bool = False,
+    stop: Callable[[], bool] = never,
 ) -> RunResult:
-    """A simulated run through `device_loop`, timed as a whole; its record as the host loop's
-    (computed tokens from the simulator's buckets, as the host loop counts them)."""
-    loop = jax.jit(lambda params, state: device_loop(policy, params, state, backend.price_plan,
-                                                     max_passes))  # fmt: skip
+    """A simulated run through the device loop, in segments (`stop()` is read between them),
+    timed as a whole; its record as the host loop's (computed tokens from the simulator's
+    buckets, as the host loop counts them)."""
+    step = partial(_step, policy, params, backend.price_plan, max_passes)
+
+    def segment(carry, end):
+        return jax.lax.while_loop(lambda c: _live(max_passes, c) & (c[1] < end), step, carry)
+
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    compiled = loop.lower(params, state).compile()
+    carry = jax.jit(partial(_start, max_passes=max_passes))(state)
+    run = jax.jit(segment, donate_argnums=0).lower(carry, jnp.int32(0)).compile()
     warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
     compiles_warm = num_compiles()
-    final, p, rec = jax.device_get(jax.block_until_ready(compiled(params, state)))
+    live = np.asarray(state.status) != REJECTED
+    bar = tqdm(total=int(np.asarray(state.max_new)[live].sum()), disable=not progress,
+               unit="tok", desc=policy.name, leave=False)  # fmt: skip
+    p, length = 0, 64
+    while not stop():
+        t_segment = time.perf_counter()
+        carry = run(carry, jnp.int32(min(p + length, max_passes)))
+        p_next, done = int(carry[1]), bool(carry[3])  # waits for the segment
+        if progress:
+            bar.n = int(np.asarray(carry[0].num_generated).sum())
+            bar.refresh()
+        seconds = time.perf_counter() - t_segment
+        length = int(np.clip(SEGMENT_S * (p_next - p + 1) / max(seconds, 1e-6), 64, 1 << 20))
+        p = p_next
+        if done or p >= max_passes:
+            break
     wall_s = time.perf_counter() - t0
-    p = int(p)
-    if p == max_passes:
+    bar.close()
+    final, rec = jax.device_get((carry[0], carry[4]))
+    unfinished = bool(((final.status != FINISHED) & (final.status != REJECTED)).any())
+    interrupted = unfinished and stop()
+    if unfinished and not interrupted:
         raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
     rows = {k: np.asarray(rec[k][:p]) for k in rec}
     plans = [
@@ -154,5 +182,5 @@ def run_device(
         record=record, final=final, outputs=None, logits=None, duration_s=end,
         warmup_s=warmup_s, num_compiles=num_compiles() - compiles0,
         compiles_after_warmup=num_compiles() - compiles_warm, cache_hits=cache_hits() - hits0,
-        wall_s=wall_s,
+        wall_s=wall_s, interrupted=interrupted,
     )  # fmt: skip
