@@ -31,6 +31,7 @@ from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, Plan, SchedState
 
 SEGMENT_S = 0.25  # run_device's segments last about this long: Ctrl-C is read between them
+BUFFER = 1 << 16  # passes of record run_device keeps on the device between two drains
 
 
 def _start(state: SchedState, max_passes: int):
@@ -121,24 +122,32 @@ def run_device(
 ) -> RunResult:
     """A simulated run through the device loop, in segments (`stop()` is read between them),
     timed as a whole; its record as the host loop's (computed tokens from the simulator's
-    buckets, as the host loop counts them)."""
-    step = partial(_step, policy, params, backend.price_plan, max_passes)
+    buckets, as the host loop counts them). The device holds the record of at most BUFFER passes:
+    the host drains it whenever it fills, so memory follows the passes run, not `max_passes`."""
+    size = min(max_passes, BUFFER)
+    step = partial(_step, policy, params, backend.price_plan, size)
 
     def segment(carry, end):
-        return jax.lax.while_loop(lambda c: _live(max_passes, c) & (c[1] < end), step, carry)
+        return jax.lax.while_loop(lambda c: _live(size, c) & (c[1] < end), step, carry)
 
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    carry = jax.jit(partial(_start, max_passes=max_passes))(state)
+    carry = jax.jit(partial(_start, max_passes=size))(state)
     run = jax.jit(segment, donate_argnums=0).lower(carry, jnp.int32(0)).compile()
     warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
     compiles_warm = num_compiles()
     live = np.asarray(state.status) != REJECTED
     bar = tqdm(total=int(np.asarray(state.max_new)[live].sum()), disable=not progress,
                unit="tok", desc=policy.name, leave=False)  # fmt: skip
-    p, length = 0, 64
+    drained: list[dict] = []  # host copies of full buffers
+    p, total, length = 0, 0, 64  # p: passes in the buffer; total: passes before it
+
+    def drain(carry, p):
+        drained.append({k: np.asarray(v[:p]) for k, v in jax.device_get(carry[4]).items()})
+        return (carry[0], jnp.int32(0), *carry[2:])
+
     while not stop():
         t_segment = time.perf_counter()
-        carry = run(carry, jnp.int32(min(p + length, max_passes)))
+        carry = run(carry, jnp.int32(min(p + length, size)))
         p_next, done = int(carry[1]), bool(carry[3])  # waits for the segment
         if progress:
             bar.n = int(np.asarray(carry[0].num_generated).sum())
@@ -146,16 +155,20 @@ def run_device(
         seconds = time.perf_counter() - t_segment
         length = int(np.clip(SEGMENT_S * (p_next - p + 1) / max(seconds, 1e-6), 64, 1 << 20))
         p = p_next
-        if done or p >= max_passes:
+        if done or total + p >= max_passes:
             break
+        if p == size:
+            carry, total, p = drain(carry, p), total + p, 0
     wall_s = time.perf_counter() - t0
     bar.close()
-    final, rec = jax.device_get((carry[0], carry[4]))
+    carry = drain(carry, p)
+    final = jax.device_get(carry[0])
+    p = total + p
     unfinished = bool(((final.status != FINISHED) & (final.status != REJECTED)).any())
     interrupted = unfinished and stop()
     if unfinished and not interrupted:
         raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
-    rows = {k: np.asarray(rec[k][:p]) for k in rec}
+    rows = {k: np.concatenate([d[k] for d in drained]) for k in drained[0]}
     plans = [
         Plan(
             rows["req"][i],

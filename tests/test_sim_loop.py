@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxbatch import sim_loop
 from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
 from jaxbatch.run import simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
@@ -84,3 +85,16 @@ def test_vmapped_members_equal_the_same_runs_one_by_one():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     passes = [int(p) for p in together[1]]
     assert len(set(passes)) > 1  # the members really are different runs
+
+
+def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", warmup=False)
+    cfg.policy.token_budget = 64
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
+    w = make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS)
+    whole = simulate(cfg, w)
+    monkeypatch.setattr(sim_loop, "BUFFER", 7)  # drained every 7 passes
+    drained = simulate(cfg, w)
+    assert whole.record.num_passes > 3 * 7
+    for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_reserved"):
+        np.testing.assert_array_equal(getattr(drained.record, field), getattr(whole.record, field))
