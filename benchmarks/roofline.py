@@ -1,6 +1,6 @@
 """Every pass kind against this machine's roofline, measured in one process.
 
-First the machine: read bandwidth (a jitted sum over float32 arrays of 16, 64 and 256 MiB; the
+First the machine (`calibrate.machine`): read bandwidth (a jitted sum over 64 and 256 MiB; the
 best counts) and matmul peak (a jitted 2048 x 2048 float32 matmul). Then each pass over a grid,
 on the tiny model with 2 and 4 KV heads and on the `small` model:
   decode   slots 1..64 x context 64..1024 (every slot decoding at that context);
@@ -19,15 +19,14 @@ Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from common import decode_plan, median, model_spec
+from common import decode_plan, model_spec
 
 from jaxbatch.backend.runner import Runner
+from jaxbatch.calibrate import best_time, machine
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
 from jaxbatch.sched.state import MIXED, PREFILL, Plan
@@ -63,29 +62,6 @@ def layer_params(spec: ModelSpec) -> int:
     return attn + 3 * spec.d_model * spec.d_mlp
 
 
-def bench(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
-def machine(repeats: int) -> tuple[float, float]:
-    """(read bytes/s, matmul FLOP/s), the best this process reaches."""
-    total = jax.jit(jnp.sum)
-    bw = []
-    for mib in (16, 64, 256):
-        x = jnp.ones(mib * 2**20 // 4, jnp.float32)
-        bw.append(mib * 2**20 / bench(lambda x=x: total(x), 4 * repeats))
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
-    peak = 2 * 2048**3 / bench(lambda: matmul(a), repeats)
-    return max(bw), peak
-
-
 def runner_for(spec: ModelSpec, slots: int, prompt_len: int) -> Runner:
     prompts = np.zeros((slots, spec.max_len), np.int32)
     lens = np.full(slots, prompt_len, np.int32)
@@ -101,7 +77,7 @@ def plan(kind: int, num_tokens, start, slots: int) -> Plan:
 def timed(runner: Runner, p: Plan, repeats: int) -> tuple[float, str]:
     shape = runner.buckets.shape_of(p)
     runner.warmup([shape])
-    t = bench(lambda: runner.execute(p, shape)[0], repeats)
+    t = best_time(lambda: runner.execute(p, shape)[0], repeats)
     return t, f"{shape.rows}x{shape.tokens} ctx {shape.context}"
 
 
@@ -150,7 +126,7 @@ def main() -> None:
     ap.add_argument("--models", default="tiny-kv2,tiny-kv4,small")
     ap.add_argument("--kinds", default="decode,prefill,mixed")
     args = ap.parse_args()
-    bw, peak = machine(args.repeats)
+    bw, peak = machine(args.repeats)  # shared with jaxbatch-calibrate
     print(f"machine: read {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s "
           f"(balance {peak / bw:.1f} FLOP/byte), backend {jax.default_backend()}")  # fmt: skip
     best: dict[str, float] = {}

@@ -42,7 +42,8 @@ from jaxbatch.workload import from_config
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """Median seconds of `fn` (run once first, so compilation is not timed)."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
@@ -58,9 +59,9 @@ def machine(repeats: int = 5) -> tuple[float, float]:
     bandwidth = 0.0
     for mib in (64, 256):
         x = jnp.ones(mib * 2**20 // 4, jnp.float32)
-        bandwidth = max(bandwidth, mib * 2**20 / _best_time(lambda x=x: total(x), 4 * repeats))
+        bandwidth = max(bandwidth, mib * 2**20 / best_time(lambda x=x: total(x), 4 * repeats))
     a = jnp.ones((2048, 2048), jnp.float32)
-    peak = 2 * 2048**3 / _best_time(lambda: jax.jit(lambda a: a @ a)(a), repeats)
+    peak = 2 * 2048**3 / best_time(lambda: jax.jit(lambda a: a @ a)(a), repeats)
     return bandwidth, peak
 
 
@@ -101,7 +102,7 @@ def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, float]]:
         shape = runner.buckets.shape_of(plan)
         runner.warmup([shape])
         run = lambda r=runner, p=plan, s=shape: r.execute(p, s)[0]  # noqa: E731
-        out.append((label, plan, _best_time(run, repeats)))
+        out.append((label, plan, best_time(run, repeats)))
     return out
 
 
