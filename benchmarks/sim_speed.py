@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 
 from jaxbatch.calibrate import HARDWARE_DIR
 from jaxbatch.config import HardwareConfig, LengthConfig, ModelConfig
+from jaxbatch.device_loop import device_loop, sweep_loop
 from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
-from jaxbatch.sim_loop import device_loop, sweep_loop
 from jaxbatch.workload import from_config
 
 
@@ -62,8 +62,8 @@ def main() -> None:
                           np.zeros(len(workload), bool), args.slots, memory=memory)  # fmt: skip
 
     states = [state(s) for s in scales]
-    one = jax.jit(lambda st: device_loop(policy, params, st, backend.price_plan, fed))
-    many = jax.jit(lambda sts: sweep_loop(policy, params, sts, backend.price_plan, fed))
+    one = jax.jit(lambda st: device_loop(policy, params, st, backend, fed))
+    many = jax.jit(lambda sts: sweep_loop(policy, params, sts, backend, fed))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
     t0 = time.perf_counter()
     jax.block_until_ready(one(states[0]))

@@ -80,7 +80,8 @@ def execute(
         "warmup_s": result.warmup_s,
         "wall_s": result.wall_s,
     }
-    if cfg.engine.loop == "fused":  # timed as a whole: latencies in passes are its exact clock
+    if cfg.engine.loop == "device" and cfg.engine.clock == "measured":
+        # Timed as a whole: latencies in passes are its exact clock.
         in_passes = summarize(
             rec.in_passes(), status, workload.arrival, workload.prompt_len, rec.num_passes,
             memory.capacity_tokens,

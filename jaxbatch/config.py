@@ -24,7 +24,7 @@ HARDWARE_NAMES = (
 )  # fmt: skip
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("measured", "passes", "priced")
-LOOPS = ("host", "fused", "device")
+LOOPS = ("host", "device")
 
 
 class ConfigError(ValueError):
@@ -104,8 +104,9 @@ class EngineConfig:
     eos_id: int = -1  # -1: ignore EOS, as trace replay requires
     min_bucket: int = 16
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
-    # host: one Python iteration per pass. fused: the whole run as one compiled lax.while_loop
-    # (offline workloads, orca and chunked, runner backend); its passes are timed as a whole.
+    # host: one Python iteration per pass. device: the whole run as one compiled lax.while_loop
+    # (every policy on the simulator; orca and chunked on the runner, whose passes it times as
+    # a whole with the measured clock, offline workloads only).
     loop: str = "host"
     # JAX's persistent compilation cache: `user` ($XDG_CACHE_HOME or ~/.cache, then
     # jaxbatch/xla), `off`, or a folder. A run whose shapes an earlier run compiled loads them.
@@ -240,26 +241,28 @@ def validate(cfg: Config) -> None:
             "engine.eos_id", e.eos_id,
             f"must be -1 (no EOS) or a token id in 0..{m.vocab_size - 1} (model.vocab_size)",
         )  # fmt: skip
-    _positive("engine.min_bucket", e.min_bucket)
-    _one_of("engine.loop", e.loop, LOOPS)
-    if e.loop == "device" and (e.backend != "simulator" or e.clock == "measured"):
+    if e.min_bucket < 1 or e.min_bucket & (e.min_bucket - 1):
         raise ConfigError(
-            "engine.loop", e.loop,
-            "runs the simulator on the device: needs engine.backend=simulator and "
-            "engine.clock=passes or priced",
-        )  # fmt: skip
+            "engine.min_bucket", e.min_bucket, "must be a power of two (1, 2, 4, ...)"
+        )
     if e.loop == "fused":
+        raise ConfigError(
+            "engine.loop", e.loop, "the fused loop is now loop=device: use host or device"
+        )
+    _one_of("engine.loop", e.loop, LOOPS)
+    if e.loop == "device" and e.backend == "runner":
         if p.name not in ("orca", "chunked"):
             raise ConfigError(
-                "engine.loop", e.loop, f"runs policy orca or chunked, not {p.name}: use loop=host"
-            )
-        if e.backend != "runner":
-            raise ConfigError("engine.loop", e.loop, "runs the model: needs engine.backend=runner")
-        if w.kind != "synthetic" or w.arrival != "offline":
+                "engine.loop", e.loop,
+                f"runs the model for policy orca or chunked, not {p.name} (their prompt tokens "
+                "all run in mixed passes): use loop=host, or engine.backend=simulator",
+            )  # fmt: skip
+        if e.clock == "measured" and (w.kind != "synthetic" or w.arrival != "offline"):
             raise ConfigError(
                 "engine.loop", e.loop,
-                "needs an offline workload (workload.kind=synthetic, workload.arrival=offline): "
-                "its clock counts passes, so no request may arrive later; use loop=host",
+                "with engine.clock=measured needs an offline workload (workload.kind=synthetic, "
+                "workload.arrival=offline): the loop is timed as a whole, so it cannot wait for "
+                "an arrival; use engine.clock=passes, or loop=host",
             )  # fmt: skip
     mem = cfg.memory
     _one_of("memory.layout", mem.layout, ("contiguous", "paged"))

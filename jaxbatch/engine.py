@@ -222,8 +222,7 @@ def run(
         end = elapsed() if measured else sched_at
         if pass_logits is not None:
             logits.append(np.asarray(pass_logits))
-        computed = shape.rows * shape.tokens
-        bar.update(recorder.add(now, end - now, plan_h, holder, computed, kv, reserved))
+        bar.update(recorder.add(now, end - now, plan_h, holder, shape, kv, reserved))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
     wall_s = time.perf_counter() - loop_start
     bar.close()

@@ -20,16 +20,16 @@ from jaxbatch.backend.cost_model import (
     weight_bytes,
 )
 from jaxbatch.backend.runner import Runner, Sampling
+from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError
+from jaxbatch.device_loop import run_device
 from jaxbatch.engine import RunResult, run
-from jaxbatch.fused import run_fused
 from jaxbatch.interrupt import never
 from jaxbatch.model.transformer import init_params
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
-from jaxbatch.sim_loop import run_device
 from jaxbatch.workload import Workload
 
 
@@ -192,16 +192,15 @@ def simulate(
         watermark_blocks=np.int32(watermark),
     )  # fmt: skip
     policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
-    if e.loop == "device":  # every pass feeds a token; paged runs may recompute (preemption)
-        fed = int((workload.prompt_len + workload.max_new)[ok].sum())
-        passes = (4 if memory.paged else 1) * fed + 16
-        return run_device(policy, params, state, backend, passes, cfg.output.progress, stop)
-    if e.loop == "fused":
+    if e.loop == "device":
         # Each pass feeds at least one token, and a preempted request recomputes at most its
         # whole sequence once per preemption: a generous bound that still ends a stuck run.
-        max_passes = 4 * int((workload.prompt_len + workload.max_new)[ok].sum()) + 16
-        return run_fused(
-            policy, params, state, backend, max_passes, e.clock, cfg.output.progress, stop
+        fed = int((workload.prompt_len + workload.max_new)[ok].sum())
+        passes = (4 if memory.paged else 1) * fed + 16
+        if isinstance(backend, Runner):
+            backend = RunnerStep(backend, int(np.max(state.prompt_len + state.max_new)))
+        return run_device(
+            policy, params, state, backend, passes, e.clock, cfg.output.progress, stop
         )
     return run(
         policy, params, state, backend, shapes, e.clock, cfg.output.progress,

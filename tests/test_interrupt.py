@@ -61,12 +61,14 @@ def _requests(run: Path) -> list[dict]:
     return list(csv.DictReader((run / "requests.csv").open()))
 
 
-@pytest.mark.parametrize("loop", ["host", "fused", "device"])
-def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop):
-    policy = "chunked" if loop == "fused" else "continuous"
-    # The device loop simulates (no model): 3,000 requests of it last about 15 s.
-    simulated = ["engine.backend=simulator", "engine.clock=passes"] if loop == "device" else []
-    args = [f"hydra.run.dir={tmp_path}", *COMMON, f"policy={policy}", f"engine.loop={loop}"]
+@pytest.mark.parametrize("loop, backend", [("host", "runner"), ("device", "runner"),
+                                           ("device", "simulator")])  # fmt: skip
+def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
+    policy = "chunked" if (loop, backend) == ("device", "runner") else "continuous"
+    # The simulator runs no model: 3,000 requests of it last about 15 s.
+    simulated = ["engine.clock=passes"] if backend == "simulator" else []
+    args = [f"hydra.run.dir={tmp_path}", *COMMON, f"policy={policy}", f"engine.loop={loop}",
+            f"engine.backend={backend}"]  # fmt: skip
     proc = _start(args + simulated)
     seconds, err = _interrupt(proc)
     assert proc.returncode == 130

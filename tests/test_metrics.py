@@ -24,7 +24,9 @@ def _record():
         start_pos=np.zeros_like(req),
         holder=np.array([[0, -1], [0, -1], [0, 1], [0, 1]]),
         emits=emits,
-        computed_tokens=np.array([4, 2, 4, 2]),
+        rows=np.array([1, 2, 1, 2]),  # computed tokens 4, 2, 4, 2
+        row_tokens=np.array([4, 1, 4, 1]),
+        context=np.array([0, 16, 0, 16]),
         kv_tokens=np.array([3, 4, 6, 8]),
         kv_reserved=np.array([10, 10, 20, 20]),
     )

@@ -23,7 +23,7 @@ def _record(passes: int, slots: int) -> Record:
     return Record(
         start=z, duration=z + 1, kind=np.full(passes, DECODE), req=np.where(num_tokens, holder, -1),
         num_tokens=num_tokens, start_pos=num_tokens * 0, holder=holder, emits=num_tokens > 0,
-        computed_tokens=z, kv_tokens=z, kv_reserved=z,
+        rows=z, row_tokens=z, context=z, kv_tokens=z, kv_reserved=z,
     )  # fmt: skip
 
 

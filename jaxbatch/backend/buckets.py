@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from jaxbatch.sched.state import DECODE, MIXED, Plan
 
 
-def pow2_at_least(n: int, lo: int, hi: int) -> int:
-    """The smallest power of two >= max(n, lo), capped at hi."""
-    return min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length()))
+def pow2_at_least(n, lo: int, hi: int, xp=np):
+    """The smallest power of two >= max(n, lo), capped at hi. One rule for numpy and jnp (`xp`),
+    on scalars (an int with numpy) or arrays: the powers of two up to hi's, searched, then raised
+    to lo and capped."""
+    pows, buckets = _ladder(int(lo), int(hi))
+    at = xp.minimum(xp.searchsorted(xp.asarray(pows), n, side="left"), len(pows) - 1)
+    out = xp.asarray(buckets)[at]
+    return int(out) if xp is np and out.ndim == 0 else out
+
+
+@cache
+def _ladder(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    pows = [1 << k for k in range(max(hi - 1, 0).bit_length() + 1)]
+    return np.array(pows, np.int64), np.array([min(hi, max(lo, p)) for p in pows], np.int64)
 
 
 QUERY_TILE = 32  # rows of a prompt chunk that read their slot's cached context together
@@ -60,14 +72,14 @@ class Buckets:
     # read takes whole segments, so a shorter context costs the same and needs no shape of its own.
     min_context: int = 0
 
-    def length(self, n: int) -> int:
-        return pow2_at_least(n, self.min_len, self.max_len)
+    def length(self, n, xp=np):
+        return pow2_at_least(n, self.min_len, self.max_len, xp)
 
-    def context(self, n: int) -> int:
-        return pow2_at_least(n, max(self.min_len, self.min_context), self.max_len)
+    def context(self, n, xp=np):
+        return pow2_at_least(n, max(self.min_len, self.min_context), self.max_len, xp)
 
-    def count(self, n: int) -> int:
-        return pow2_at_least(n, 1, self.num_slots)
+    def count(self, n, xp=np):
+        return pow2_at_least(n, 1, self.num_slots, xp)
 
     def decode(self, max_end: int) -> PassShape:
         return PassShape(self.num_slots, 1, self.context(max_end), all_slots=True)
@@ -83,26 +95,35 @@ class Buckets:
         tiles = max(1, rows // QUERY_TILE) + (self.num_slots if any_plan else 0)
         return PassShape(rows, 1, context, flat=True, tiles=tiles)
 
-    def mixed(self, total_tokens: int, max_end: int, tiles: int) -> PassShape:
-        """A flattened pass: one row per token, padded to a power of two, or beyond where its
-        prompt chunks need more query tiles (many short chunks in one pass); at the token
-        budget's bucket, the shape with tiles for any plan."""
-        cap = self.mixed_rows or 1 << 30
-        rows = pow2_at_least(total_tokens, self.min_len, cap)
-        while rows < cap and self.flat(rows, 0).tiles < tiles:
-            rows *= 2
-        return self.flat(rows, self.context(max_end), any_plan=self.flat(rows, 0).tiles < tiles)
+    def shape_fields(self, plan: Plan, xp=np):
+        """A pass's bucketed shape as (rows, tokens per row, context, any_plan), by one rule for
+        host (numpy) and device (jnp) plans alike: `shape_of` makes the host loop's PassShape of
+        it; the device loops record it. Decode: every slot, one token, its context bucket.
+        Mixed: one row per token, padded to a power of two, or beyond where its prompt chunks
+        need more query tiles (many short chunks in one pass); at the token budget's bucket, the
+        shape with tiles for any plan (`any_plan`). Prefill: the count and length buckets of its
+        prompts; prompts that all start at position 0 read no cached context."""
+        active = plan.num_tokens > 0
+        max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0))
+        max_start = xp.max(xp.where(active, plan.start_pos, 0))
+        tiles = xp.sum(-(-xp.maximum(plan.num_tokens - 1, 0) // QUERY_TILE))
+        at_least = xp.maximum(xp.sum(plan.num_tokens), xp.where(tiles > 1, tiles * QUERY_TILE, 0))
+        mixed_rows = pow2_at_least(at_least, self.min_len, self.mixed_rows or 1 << 30, xp)
+        decode, mixed = plan.kind == DECODE, plan.kind == MIXED
+        count = self.count(xp.sum(active), xp)
+        rows = xp.where(decode, self.num_slots, xp.where(mixed, mixed_rows, count))
+        tokens = xp.where(decode | mixed, 1, self.length(xp.max(plan.num_tokens), xp))
+        context = xp.where(decode | mixed | (max_start > 0), self.context(max_end, xp), 0)
+        return rows, tokens, context, mixed & (xp.maximum(1, mixed_rows // QUERY_TILE) < tiles)
 
     def shape_of(self, plan: Plan) -> PassShape:
-        """The bucketed shape of a host-side (numpy) plan."""
-        active = plan.num_tokens > 0
-        max_end = int((plan.start_pos + plan.num_tokens)[active].max())
+        """The bucketed shape of a host-side (numpy) plan (see `shape_fields`)."""
+        rows, tokens, context, any_plan = (int(x) for x in self.shape_fields(plan))
         if int(plan.kind) == DECODE:
-            return self.decode(max_end)
+            return PassShape(rows, 1, context, all_slots=True)
         if int(plan.kind) == MIXED:
-            return self.mixed(int(plan.num_tokens.sum()), max_end, chunk_tiles(plan.num_tokens))
-        max_start = int(plan.start_pos[active].max())
-        return self.prefill(int(active.sum()), int(plan.num_tokens.max()), max_end, max_start)
+            return self.flat(rows, context, any_plan=bool(any_plan))
+        return PassShape(rows, tokens, context)
 
     def for_workload(
         self, prompt_len: np.ndarray, max_new: np.ndarray, recompute: bool = False

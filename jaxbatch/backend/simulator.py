@@ -44,6 +44,26 @@ class Simulator:
 
             self.price_plan = price_plan
 
+    num_branches = 0  # the device loop's warm-up: nothing to run once
+
+    def consts(self) -> tuple:
+        return ()
+
+    def carry(self) -> tuple:
+        return ()
+
+    def keep(self, carry: tuple) -> None:
+        pass
+
+    def device_step(self, consts, carry, plan: Plan, skip, warm_branch):
+        """The device loop's pass (jnp, pure): every slot's token (0), the pass's duration (its
+        price on the target hardware, or one pass on the `passes` clock) and its shape by the
+        host loop's rule. Has no device state, so `skip` and `warm_branch` change nothing."""
+        cost = jnp.float32(1.0) if self.price_plan is None else self.price_plan(plan)
+        rows, tokens, context, _ = self.buckets.shape_fields(plan, jnp)
+        zeros = jnp.zeros(plan.num_tokens.shape, jnp.int32)
+        return carry, zeros, cost.astype(jnp.float32), (rows, tokens, context)
+
     def warmup(self, shapes: list[PassShape], stop=None) -> None:
         """Nothing to compile but the cost model."""
         if self._price is not None:

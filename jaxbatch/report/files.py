@@ -22,8 +22,8 @@ REQUEST_COLUMNS = (
     "e2e_s", "preemptions", "reason",
 )  # fmt: skip
 PASS_COLUMNS = (
-    "index", "start", "duration", "kind", "tokens", "computed_tokens", "active_slots",
-    "kv_live", "kv_granted", "kv_unused", "blocks_granted",
+    "index", "start", "duration", "kind", "tokens", "computed_tokens", "rows", "row_tokens",
+    "context", "active_slots", "kv_live", "kv_granted", "kv_unused", "blocks_granted",
 )  # fmt: skip
 
 
@@ -59,7 +59,8 @@ def write_requests(
 
 
 def write_passes(path: Path, record: Record, block_size: int) -> None:
-    """One row per pass; KV columns count positions after the pass (blocks_granted: paged only,
+    """One row per pass; rows, row_tokens and context: the shape the pass ran at (computed_tokens
+    = rows x row_tokens); KV columns count positions after the pass (blocks_granted: paged only,
     else 0)."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
@@ -68,7 +69,8 @@ def write_passes(path: Path, record: Record, block_size: int) -> None:
             w.writerow(
                 [p, f"{record.start[p]:.9f}", f"{record.duration[p]:.9f}",
                  KIND_NAMES[int(record.kind[p])], int(record.num_tokens[p].sum()),
-                 int(record.computed_tokens[p]), int((record.num_tokens[p] > 0).sum()),
+                 int(record.computed_tokens[p]), int(record.rows[p]), int(record.row_tokens[p]),
+                 int(record.context[p]), int((record.num_tokens[p] > 0).sum()),
                  int(record.kv_tokens[p]), int(record.kv_reserved[p]),
                  int(record.kv_reserved[p] - record.kv_tokens[p]),
                  int(record.kv_reserved[p] // block_size) if block_size else 0]

@@ -9,12 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxbatch import sim_loop
+from jaxbatch import device_loop as loop_module
+from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
+from jaxbatch.device_loop import device_loop, sweep_loop
 from jaxbatch.run import simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
-from jaxbatch.sim_loop import device_loop, sweep_loop
 from tests.conftest import make_config, make_workload
 
 H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory_gb=80,
@@ -46,7 +47,7 @@ def test_device_loop_plans_equal_host_loop_plans(policy, clock):
     h, d = host.record, device.record
     assert d.num_passes == h.num_passes > len(PROMPTS)
     for field in ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "kv_tokens",
-                  "kv_reserved", "computed_tokens"):  # fmt: skip
+                  "kv_reserved", "rows", "row_tokens", "context"):  # fmt: skip
         np.testing.assert_array_equal(getattr(d, field), getattr(h, field), err_msg=field)
     np.testing.assert_allclose(d.start, h.start, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(d.duration, h.duration, rtol=1e-5)
@@ -76,8 +77,9 @@ def test_vmapped_members_equal_the_same_runs_one_by_one():
     scales = (0.1, 1.0, 4.0)
     states = [state(s) for s in scales]
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
-    run = jax.jit(lambda st: device_loop(policy, params, st, None, 512))
-    together = jax.jit(lambda sts: sweep_loop(policy, params, sts, None, 512))(stacked)
+    sim = Simulator(3, 256)  # the passes clock
+    run = jax.jit(lambda st: device_loop(policy, params, st, sim, 512))
+    together = jax.jit(lambda sts: sweep_loop(policy, params, sts, sim, 512))(stacked)
     for i, st in enumerate(states):
         alone = run(st)
         member = jax.tree.map(lambda x, i=i: x[i], together)
@@ -93,7 +95,7 @@ def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
     w = make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS)
     whole = simulate(cfg, w)
-    monkeypatch.setattr(sim_loop, "BUFFER", 7)  # drained every 7 passes
+    monkeypatch.setattr(loop_module, "BUFFER", 7)  # drained every 7 passes
     drained = simulate(cfg, w)
     assert whole.record.num_passes > 3 * 7
     for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_reserved"):

@@ -1,10 +1,10 @@
-"""The same offline workload through the host loop and the fused on-device loop (chunked policy,
-tiny model): prints output tokens/s of each (medians, interleaved) and their ratio. The fused
+"""The same offline workload through the host loop and the device loop on the runner (chunked policy,
+tiny model): prints output tokens/s of each (medians, interleaved) and their ratio. The device
 loop's time excludes its compilation and warm-up, as the host loop's excludes its warm-up.
 
 A third figure, `replay`, dispatches the host loop's recorded passes back to back from Python,
 with no schedule, commit or host sync: the time of those compiled passes alone. The host loop's
-distance to it is its per-pass host work; the fused loop can pass it, since it dispatches nothing.
+distance to it is its per-pass host work; the device loop can pass it, since it dispatches nothing.
 Asserts nothing.
 
 Defaults: a decode-heavy workload (short prompts, long outputs) on 4 and then 8 slots, 4 requests
@@ -54,7 +54,7 @@ def replay(cfg, workload, memory, record: Record, max_blocks: int) -> float:
 
 
 def measure(args, slots: int) -> None:
-    """Host loop, fused loop and replay on `slots` slots, interleaved; prints one block."""
+    """Host loop, device loop and replay on `slots` slots, interleaved; prints one block."""
     prompt = LengthConfig(dist="uniform", low=args.prompt[0], high=args.prompt[1])
     output = LengthConfig(dist="uniform", low=args.output[0], high=args.output[1])
     n = args.requests_per_slot * slots
@@ -62,14 +62,14 @@ def measure(args, slots: int) -> None:
     cfg.policy.token_budget = args.budget
     w = from_config(cfg.workload)
     memory = memory_spec(cfg)
-    fused_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="fused"))
-    host, fused, floor = [], [], []
+    device_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
+    host, device, floor = [], [], []
     for _ in range(args.repeats):
         res = simulate(cfg, w)
         tokens = res.record.emits.sum()
         host.append(tokens / res.duration_s)
-        out = simulate(fused_cfg, w)
-        fused.append(out.record.emits.sum() / out.duration_s)
+        out = simulate(device_cfg, w)
+        device.append(out.record.emits.sum() / out.duration_s)
         same = all((a == b).all() for a, b in zip(out.outputs, res.outputs))
         floor.append(tokens / replay(cfg, w, memory, res.record, memory.max_blocks))
     kinds = np.bincount(res.record.kind, minlength=4)
@@ -80,12 +80,12 @@ def measure(args, slots: int) -> None:
     )
     print(f"  host loop:  median {median(host):8.1f} tok/s")
     print(
-        f"  fused loop: median {median(fused):8.1f} tok/s "
+        f"  device loop: median {median(device):8.1f} tok/s "
         f"(compile + warm-up {out.warmup_s:.1f} s, excluded)"
     )
     print(f"  replay:     median {median(floor):8.1f} tok/s (the host's passes, back to back)")
-    print(f"  fused / host = {median(fused) / median(host):.2f}; identical tokens: {same}")
-    print(f"  fused / replay = {median(fused) / median(floor):.2f}, host / replay = "
+    print(f"  device / host = {median(device) / median(host):.2f}; identical tokens: {same}")
+    print(f"  device / replay = {median(device) / median(floor):.2f}, host / replay = "
           f"{median(host) / median(floor):.2f}")  # fmt: skip
 
 

@@ -1,0 +1,104 @@
+"""The runner's pass as a step of the device loop (`jaxbatch.device_loop`): a pure jnp function of
+the loop's plan, over device state the loop carries (the KV cache and the token buffer).
+
+A pass with prompt tokens runs the runner's mixed pass at the token budget's rows, one without the
+all-slot decode; `lax.switch` picks the compiled branch of the pass's context bucket (the host
+loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host loop. Only
+the token-budget policies (orca, chunked) fit: their prompt tokens all run in mixed passes. The
+branches only read the cache; the step writes it once after the switch, in place (a branch that
+wrote it would make XLA copy the cache). An idle (or skipped) iteration takes a branch that
+computes nothing and writes nothing.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.backend.runner import PassOut, Runner, _forward, decode_rows, flatten, store_tokens
+from jaxbatch.sched.state import MIXED, Plan
+
+
+def _pad_value(dtype):
+    return jnp.iinfo(jnp.int32).max if dtype == jnp.int32 else 0
+
+
+def _pad_rows(x, width: int):
+    """Pad a per-row array to `width` rows: padding rows are invalid (False, 0) or out of range."""
+    pad = [(0, width - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad, constant_values=_pad_value(x.dtype))
+
+
+class RunnerStep:
+    """The device loop's backend for a Runner whose requests need at most `longest` positions."""
+
+    def __init__(self, runner: Runner, longest: int):
+        self.runner, self.buckets = runner, runner.buckets
+        self.rows = runner.buckets.mixed_rows
+        self.contexts = sorted({runner.buckets.context(n) for n in range(1, longest + 1)})
+        self.width = max(self.rows, runner.num_slots)  # every branch's rows, padded alike
+        # Mixed then decode branches, one per context bucket; warm-up runs each once.
+        self.num_branches = 2 * len(self.contexts)
+
+    def consts(self) -> tuple:
+        """Device arrays the step reads, passed to the loop as arguments, not constants."""
+        r = self.runner
+        return r.params, r.prompt_len, r.request_ids
+
+    def carry(self) -> tuple:
+        """Device arrays the step reads and writes: the loop carries (and donates) them."""
+        return self.runner.cache, self.runner.token_buf
+
+    def keep(self, carry: tuple) -> None:
+        """The loop's final carry back into the runner (outputs are read from its buffer)."""
+        self.runner.cache, self.runner.token_buf = carry
+
+    def device_step(self, consts, carry, plan: Plan, skip, warm_branch):
+        """One pass of `plan` (nothing if `skip`; branch `warm_branch` instead if >= 0): returns
+        the new carry, each slot's drawn token [B], the duration (one pass: the loop's clock
+        counts passes) and the shape run (rows, tokens per row, context)."""
+        weights, prompt_len, request_ids = consts
+        cache, buf = carry
+        r, b = self.runner, self.runner.num_slots
+        common = dict(spec=r.spec, sampling=r.sampling, num_slots=b, with_logits=False,
+                      write=False)  # fmt: skip
+        args = (weights, cache, buf, prompt_len, request_ids)
+
+        def padded(out: PassOut) -> PassOut:  # each slot's token is [b] in every branch
+            # The write after the switch needs only where rows go, not how attention tiled them.
+            index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0, num_slots=0)
+            rows_of = out.replace(index=index, tokens=None)
+            pad = partial(_pad_rows, width=self.width)
+            return jax.tree.map(pad, rows_of).replace(tokens=out.tokens)
+
+        def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
+            shape = self.buckets.flat(self.rows, context, any_plan=True)
+            return lambda: padded(_forward(*args, *flatten(plan, self.rows, b), shape=shape,
+                                           **common)[1])  # fmt: skip
+
+        def decode(context):  # no prompt tokens: the cheaper all-slot decode
+            shape = self.buckets.decode(context)
+            return lambda: padded(_forward(*args, *decode_rows(plan, shape), shape=shape,
+                                           **common)[1])  # fmt: skip
+
+        branches = [mixed(c) for c in self.contexts] + [decode(c) for c in self.contexts]
+        nothing = jax.tree.map(lambda s: jnp.full(s.shape, _pad_value(s.dtype), s.dtype),
+                               jax.eval_shape(branches[-1]))  # fmt: skip
+        branches.append(lambda: nothing)
+        context = self.buckets.shape_fields(plan, jnp)[2]
+        bucket = jnp.searchsorted(jnp.array(self.contexts), context, side="left")
+        is_mixed = plan.kind == MIXED
+        branch = jnp.where(is_mixed, bucket, len(self.contexts) + bucket)
+        branch = jnp.where(
+            warm_branch >= 0, warm_branch, jnp.where(skip, len(branches) - 1, branch)
+        )
+        out = jax.lax.switch(branch, branches)
+        carry = cache.write(out.ks, out.vs, out.index), store_tokens(buf, out)
+        ran = jnp.where(is_mixed, self.rows, b), 1, jnp.array(self.contexts)[bucket]
+        return carry, out.tokens, jnp.float32(1.0), ran
+
+    def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
+        return self.runner.outputs(num_generated)

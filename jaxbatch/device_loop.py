@@ -1,0 +1,213 @@
+"""The device loop: a whole run (schedule, backend step, commit, record) as one `lax.while_loop`,
+for both backends and any arrival process.
+
+Each iteration schedules at the loop's clock; an idle plan moves the clock to its `wait_until`
+(the host loop's jump), any other plan is a pass: the backend's `device_step` runs it (the
+simulator prices it, `backend.simulator`; the runner runs its model, `backend.runner_step`) and
+returns each slot's token and the pass's duration; the commit, the record and the clock follow.
+The plans are the host loop's, since both call the same `schedule` and `commit` in the same order
+(tests hold them equal for every policy, and the runner's tokens too).
+
+A run goes in segments of about SEGMENT_S seconds, between which the host reads Ctrl-C and
+advances the progress bar; the device keeps at most BUFFER passes of record, drained to the host
+when full. The clock is float32 on the device: exact for pass counts up to 2^24 and for priced
+times to float32's step (a microsecond up to 8 s); the host loop keeps float64 times. On the
+runner, the clock counts passes; with `clock=measured` (offline runs) the host times the whole
+loop and each pass is given the mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.backend.runner_step import RunnerStep
+from jaxbatch.backend.simulator import Simulator
+from jaxbatch.engine import RunResult, kv_live, kv_reserved
+from jaxbatch.interrupt import never
+from jaxbatch.report.recorder import Record, emitted
+from jaxbatch.sched.policies import Policy, PolicyParams
+from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
+
+SEGMENT_S = 0.25  # run_device's segments last about this long: Ctrl-C is read between them
+BUFFER = 1 << 16  # passes of record run_device keeps on the device between two drains
+Backend = Simulator | RunnerStep
+
+
+def _start(state: SchedState, carry: tuple, max_passes: int):
+    """The loop's first carry: state, backend carry, passes run, clock, done, empty record."""
+    b = state.num_slots
+    grid = jnp.full((max_passes, b), -1, jnp.int32)
+    zeros = jnp.zeros(max_passes, jnp.float32)
+    count = jnp.zeros(max_passes, jnp.int32)
+    rec = {
+        "req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
+        "kind": count, "start": zeros, "duration": zeros, "kv": count, "granted": count,
+        "rows": count, "row_tokens": count, "context": count,
+    }  # fmt: skip
+    return state, carry, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec
+
+
+def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int, warm,
+          carry):  # fmt: skip
+    """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass
+    and is recorded. A finished run (or one at max_passes) is left as it is, so members of a
+    sweep can step on together until the last ends. `warm` (warm-up): pass p runs the backend's
+    branch p, whatever the plan."""
+    st0, bc, p, now0, done0, rec = carry
+    warm = jnp.asarray(warm, bool)
+    halted = done0 | (p >= max_passes)
+    st, plan = policy.schedule(st0.replace(now=now0), params)
+    idle = (plan.kind == IDLE) & ~warm
+    bc, tokens, cost, (rows, row_tokens, context) = backend.device_step(
+        consts, bc, plan, idle | halted, jnp.where(warm, p, -1)
+    )
+    holder = st.slot_req
+    committed = policy.commit(st, plan, tokens, params)
+    kv, granted = kv_live(committed, holder), kv_reserved(committed)
+    row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
+           "holder": holder, "kind": plan.kind, "start": now0, "duration": cost, "kv": kv,
+           "granted": granted, "rows": rows, "row_tokens": row_tokens,
+           "context": context}  # fmt: skip
+    at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
+    rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
+    st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
+    now = jnp.where(idle, jnp.maximum(now0, plan.wait_until), now0 + cost)
+    done = idle & ~jnp.isfinite(plan.wait_until)
+    keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(halted, o, n), old, new)  # noqa: E731
+    st, now, done = keep(st0, st), keep(now0, now), done0 | done
+    return st, bc, p + (~idle & ~halted).astype(jnp.int32), now, done, rec
+
+
+def _live(max_passes: int, carry):
+    _, _, p, _, done, _ = carry
+    return ~done & (p < max_passes)
+
+
+def device_loop(
+    policy: Policy, params: PolicyParams, state: SchedState, backend: Simulator, max_passes: int
+):
+    """A simulated run as a pure function of (params, state): returns the final state, the
+    passes run and the record's arrays. Jittable; for many runs at once use `sweep_loop` (a
+    vmapped while_loop would copy every member's record each pass)."""
+    step = partial(_step, policy, params, backend, (), max_passes, False)
+    st, _, p, _, _, rec = jax.lax.while_loop(
+        partial(_live, max_passes), step, _start(state, (), max_passes)
+    )
+    return st, p, rec
+
+
+def sweep_loop(
+    policy: Policy, params: PolicyParams, states: SchedState, backend: Simulator, max_passes: int
+):
+    """`device_loop` for a batch of runs (`states` stacked on a leading axis, as for vmap): one
+    while_loop whose body steps every member (vmapped), until the last ends. Member i equals
+    `device_loop` on states[i], field for field."""
+    step = jax.vmap(partial(_step, policy, params, backend, (), max_passes, False))
+    start = jax.vmap(partial(_start, carry=(), max_passes=max_passes))(states)
+    st, _, p, _, _, rec = jax.lax.while_loop(
+        lambda c: jax.vmap(partial(_live, max_passes))(c).any(), step, start
+    )
+    return st, p, rec
+
+
+def run_device(
+    policy: Policy,
+    params: PolicyParams,
+    state: SchedState,
+    backend: Backend,
+    max_passes: int,
+    clock: str = "passes",
+    progress: bool = False,
+    stop: Callable[[], bool] = never,
+) -> RunResult:
+    """A run through the device loop, in segments (`stop()` is read between them). Compilation
+    and one run of each of the backend's branches (XLA's first run of a branch costs far more than
+    later ones) count as warm-up. The device holds the record of at most BUFFER passes: the host
+    drains it whenever it fills, so memory follows the passes run, not `max_passes`. With
+    `clock=measured` pass p starts at p x the loop's mean pass time; otherwise at the loop's
+    clock (passes, or priced seconds)."""
+    size = min(max_passes, BUFFER)
+    consts = backend.consts()
+
+    def segment(consts, carry, end, warm):
+        step = partial(_step, policy, params, backend, consts, size, warm)
+        live = lambda c: jnp.where(warm, c[2] < end, _live(size, c) & (c[2] < end))  # noqa: E731
+        return jax.lax.while_loop(live, step, carry)
+
+    compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
+    carry = jax.jit(partial(_start, max_passes=size))(state, backend.carry())
+    run = jax.jit(segment, donate_argnums=1).lower(consts, carry, jnp.int32(0), False).compile()
+    if backend.num_branches:
+        # Warm-up runs branch p at pass p on a copy of the run's start (the token buffer too).
+        # The K/V it leaves in the cache sit at stale positions, which no pass reads (each reads
+        # only what its slot's request has written); the run then starts from `state`.
+        scratch = jax.tree.map(jnp.copy, (state, carry[1][1:]))
+        warm = (scratch[0], (carry[1][0], *scratch[1]), *carry[2:])
+        warm = run(consts, warm, jnp.int32(backend.num_branches), True)
+        carry = jax.jit(partial(_start, max_passes=size))(state, (warm[1][0], *carry[1][1:]))
+        jax.block_until_ready(carry)
+    warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    compiles_warm = num_compiles()
+    live = np.asarray(state.status) != REJECTED
+    bar = tqdm(total=int(np.asarray(state.max_new)[live].sum()), disable=not progress,
+               unit="tok", desc=policy.name, leave=False)  # fmt: skip
+    drained: list[dict] = []  # host copies of full buffers
+    p, total, length = 0, 0, 8  # p: passes in the buffer; total: passes before it
+
+    def drain(carry, p):
+        drained.append({k: np.asarray(v[:p]) for k, v in jax.device_get(carry[5]).items()})
+        return (*carry[:2], jnp.int32(0), *carry[3:])
+
+    while not stop():
+        t_segment = time.perf_counter()
+        carry = run(consts, carry, jnp.int32(min(p + length, size)), False)
+        p_next, done = int(carry[2]), bool(carry[4])  # waits for the segment
+        if progress:
+            bar.n = int(np.asarray(carry[0].num_generated).sum())
+            bar.refresh()
+        seconds = time.perf_counter() - t_segment
+        length = int(np.clip(SEGMENT_S * (p_next - p + 1) / max(seconds, 1e-6), 8, 1 << 20))
+        p = p_next
+        if done or total + p >= max_passes:
+            break
+        if p == size:
+            carry, total, p = drain(carry, p), total + p, 0
+    wall_s = time.perf_counter() - t0
+    bar.close()
+    carry = drain(carry, p)
+    backend.keep(carry[1])
+    final = jax.device_get(carry[0])
+    p = total + p
+    unfinished = bool(((final.status != FINISHED) & (final.status != REJECTED)).any())
+    interrupted = unfinished and stop()
+    if unfinished and not interrupted:
+        raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
+    cols = {k: np.concatenate([d[k] for d in drained]) for k in drained[0]}
+    start, duration = cols["start"].astype(np.float64), cols["duration"].astype(np.float64)
+    if clock == "measured":  # timed as a whole
+        unit = wall_s / max(p, 1)
+        start, duration = np.arange(p) * unit, np.full(p, unit)
+    record = Record(
+        start=start, duration=duration, kind=cols["kind"], req=cols["req"],
+        num_tokens=cols["num_tokens"], start_pos=cols["start_pos"], holder=cols["holder"],
+        emits=emitted(cols["req"], cols["num_tokens"], cols["start_pos"],
+                      np.asarray(final.prompt_len)),
+        rows=cols["rows"].astype(np.int64), row_tokens=cols["row_tokens"].astype(np.int64),
+        context=cols["context"].astype(np.int64),
+        kv_tokens=cols["kv"].astype(np.int64), kv_reserved=cols["granted"].astype(np.int64),
+    )  # fmt: skip
+    end = float(record.start[-1] + record.duration[-1]) if p else 0.0
+    return RunResult(
+        record=record, final=final, outputs=backend.outputs(np.asarray(final.num_generated)),
+        logits=None, duration_s=end, warmup_s=warmup_s, num_compiles=num_compiles() - compiles0,
+        compiles_after_warmup=num_compiles() - compiles_warm, cache_hits=cache_hits() - hits0,
+        wall_s=wall_s, interrupted=interrupted,
+    )  # fmt: skip

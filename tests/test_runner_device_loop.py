@@ -1,0 +1,128 @@
+"""The device loop on the runner against the host loop: identical tokens and schedule for every
+request, offline and with arrivals, through `run.simulate` and through the `engine.loop=device`
+config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jaxbatch.cli import execute
+from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
+from jaxbatch.run import simulate
+from jaxbatch.sched.state import FINISHED
+from tests.conftest import make_config, make_workload
+
+
+def _device(cfg, w):
+    """The same config and workload through the device loop."""
+    return simulate(
+        dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device")), w
+    )
+
+
+def _same_run(device, host):
+    assert (np.asarray(device.final.status) == FINISHED).all()
+    assert len(device.outputs) == len(host.outputs)
+    for a, b in zip(device.outputs, host.outputs):
+        np.testing.assert_array_equal(a, b)
+    # Same schedule: the same passes, the same tokens fed in each, the same KV accounting.
+    for field in ("kind", "num_tokens", "start_pos", "holder", "emits", "kv_tokens"):
+        np.testing.assert_array_equal(getattr(device.record, field), getattr(host.record, field))
+
+
+@pytest.mark.parametrize("policy", ["chunked", "orca"])
+def test_device_loop_tokens_equal_host_loop(policy):
+    w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5])
+    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg.policy.token_budget = 64
+    cfg.policy.long_prefill_threshold = 16
+    _same_run(_device(cfg, w), simulate(cfg, w))
+
+
+@pytest.mark.parametrize("policy", ["chunked", "orca"])
+def test_device_loop_equals_host_loop_with_arrivals(policy):
+    """Requests arriving while others run, and a gap with nothing to do: on the passes clock the
+    device loop waits (an idle plan jumps the clock, running no pass) exactly as the host loop."""
+    w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
+    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg.policy.token_budget = 64
+    device, host = _device(cfg, w), simulate(cfg, w)
+    _same_run(device, host)
+    np.testing.assert_array_equal(device.record.start, host.record.start)
+    assert device.record.start[-1] > 60  # the last request arrived after a wait
+    ran = device.record.rows * device.record.row_tokens
+    assert (ran >= device.record.num_tokens.sum(1)).all()  # each shape holds its pass
+
+
+def test_device_loop_equals_host_loop_with_paged_preemption():
+    """The paged layout under a budget tight enough to preempt: the device loop frees, regrants
+    and recomputes exactly as the host loop does."""
+    w = make_workload([40, 35, 50, 20], [30, 30, 25, 30])
+    cfg = make_config("chunked", num_slots=3, clock="passes", warmup=False)
+    cfg.policy.token_budget = 32
+    cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
+    host = simulate(cfg, w)
+    assert np.asarray(host.final.num_preemptions).sum() > 0
+    device = _device(cfg, w)
+    _same_run(device, host)
+    np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
+
+
+def _cli_config(loop: str, clock: str):
+    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop)
+    cfg.policy.token_budget = 32
+    cfg.workload = WorkloadConfig(
+        num_requests=8, prompt=LengthConfig(dist="uniform", low=4, high=60),
+        output=LengthConfig(dist="uniform", low=1, high=30),
+    )  # fmt: skip
+    cfg.output.tokens = True
+    return cfg
+
+
+def test_device_loop_from_the_config(tmp_path):
+    """`engine.loop=device` writes the same outputs as the host loop; on the passes clock its
+    metrics are the host loop's. Measured, its passes share the loop's wall time evenly and
+    metrics.json gives the latencies in passes too."""
+    runs = {}
+    for loop in ("host", "device"):
+        out = tmp_path / loop
+        runs[loop] = execute(_cli_config(loop, "passes"), out)
+        runs[loop]["tokens"] = (out / "tokens.jsonl").read_text()
+    host, device = runs["host"], runs["device"]
+    assert device["tokens"] == host["tokens"]
+    for key in ("num_finished", "num_passes", "output_tokens", "ttft_s", "tpot_s", "e2e_s"):
+        assert device[key] == host[key], key
+    m = execute(_cli_config("device", "measured"), tmp_path / "measured")
+    assert m["loop"] == "device" and m["compiles_after_warmup"] == 0
+    assert m["duration_s"] == pytest.approx(m["wall_s"])
+    assert m["mean_pass_s"] == pytest.approx(m["wall_s"] / m["num_passes"])
+    assert m["in_passes"]["ttft"] == device["ttft_s"]  # same schedule, counted in passes
+    p50 = m["in_passes"]["e2e"]["p50"] * m["mean_pass_s"]
+    assert m["e2e_s"]["p50"] == pytest.approx(p50)
+    saved = json.loads((tmp_path / "measured" / "metrics.json").read_text())
+    assert saved["in_passes"] == m["in_passes"]
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ({"policy": "continuous"}, "runs the model for policy orca or chunked, not continuous"),
+        (
+            {"arrival": "poisson", "clock": "measured"},
+            "with engine.clock=measured needs an offline",
+        ),
+        ({"loop": "fused"}, "the fused loop is now loop=device"),
+    ],
+)
+def test_device_loop_config_errors_name_the_field(change, expect):
+    cfg = _cli_config(change.get("loop", "device"), change.get("clock", "passes"))
+    cfg.policy.name = change.get("policy", "chunked")
+    cfg.workload.arrival = change.get("arrival", "offline")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(f"engine.loop='{cfg.engine.loop}' is not valid: ")
+    assert expect in str(err.value)
