@@ -105,8 +105,7 @@ class EngineConfig:
     min_bucket: int = 16
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
     # host: one Python iteration per pass. device: the whole run as one compiled lax.while_loop
-    # (every policy on the simulator; orca and chunked on the runner, whose passes it times as
-    # a whole with the measured clock, offline workloads only).
+    # (on the runner with the measured clock, offline workloads only: it is timed as a whole).
     loop: str = "host"
     # JAX's persistent compilation cache: `user` ($XDG_CACHE_HOME or ~/.cache, then
     # jaxbatch/xla), `off`, or a folder. A run whose shapes an earlier run compiled loads them.
@@ -251,12 +250,6 @@ def validate(cfg: Config) -> None:
         )
     _one_of("engine.loop", e.loop, LOOPS)
     if e.loop == "device" and e.backend == "runner":
-        if p.name not in ("orca", "chunked"):
-            raise ConfigError(
-                "engine.loop", e.loop,
-                f"runs the model for policy orca or chunked, not {p.name} (their prompt tokens "
-                "all run in mixed passes): use loop=host, or engine.backend=simulator",
-            )  # fmt: skip
         if e.clock == "measured" and (w.kind != "synthetic" or w.arrival != "offline"):
             raise ConfigError(
                 "engine.loop", e.loop,

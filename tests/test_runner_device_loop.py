@@ -34,7 +34,7 @@ def _same_run(device, host):
         np.testing.assert_array_equal(getattr(device.record, field), getattr(host.record, field))
 
 
-@pytest.mark.parametrize("policy", ["chunked", "orca"])
+@pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
 def test_device_loop_tokens_equal_host_loop(policy):
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5])
     cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
@@ -43,13 +43,14 @@ def test_device_loop_tokens_equal_host_loop(policy):
     _same_run(_device(cfg, w), simulate(cfg, w))
 
 
-@pytest.mark.parametrize("policy", ["chunked", "orca"])
+@pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
 def test_device_loop_equals_host_loop_with_arrivals(policy):
     """Requests arriving while others run, and a gap with nothing to do: on the passes clock the
     device loop waits (an idle plan jumps the clock, running no pass) exactly as the host loop."""
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
     cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
     cfg.policy.token_budget = 64
+    cfg.policy.max_wait_s = 3.0 if policy == "static" else 0.0  # static waits to fill a batch
     device, host = _device(cfg, w), simulate(cfg, w)
     _same_run(device, host)
     np.testing.assert_array_equal(device.record.start, host.record.start)
@@ -110,7 +111,6 @@ def test_device_loop_from_the_config(tmp_path):
 @pytest.mark.parametrize(
     "change, expect",
     [
-        ({"policy": "continuous"}, "runs the model for policy orca or chunked, not continuous"),
         (
             {"arrival": "poisson", "clock": "measured"},
             "with engine.clock=measured needs an offline",
@@ -120,7 +120,6 @@ def test_device_loop_from_the_config(tmp_path):
 )
 def test_device_loop_config_errors_name_the_field(change, expect):
     cfg = _cli_config(change.get("loop", "device"), change.get("clock", "passes"))
-    cfg.policy.name = change.get("policy", "chunked")
     cfg.workload.arrival = change.get("arrival", "offline")
     with pytest.raises(ConfigError) as err:
         validate(cfg)

@@ -1,11 +1,13 @@
 """The runner's pass as a step of the device loop (`jaxbatch.device_loop`): a pure jnp function of
 the loop's plan, over device state the loop carries (the KV cache and the token buffer).
 
-A pass with prompt tokens runs the runner's mixed pass at the token budget's rows, one without the
-all-slot decode; `lax.switch` picks the compiled branch of the pass's context bucket (the host
-loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host loop. Only
-the token-budget policies (orca, chunked) fit: their prompt tokens all run in mixed passes. The
-branches only read the cache; the step writes it once after the switch, in place (a branch that
+A decode pass runs the all-slot decode; any other pass (a mixed pass, or a prefill of whole
+prompts) runs flattened, one row per token, as the runner's mixed pass: at the token budget's rows
+for the budgeted policies (orca, chunked), else at the first of a few row buckets (each 4x the
+last, up to every slot's longest sequence) that holds its tokens; with query tiles for any plan
+of that many tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket
+(the host loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host
+loop. The branches only read the cache; the step writes it once after the switch, in place (a branch that
 wrote it would make XLA copy the cache). An idle (or skipped) iteration takes a branch that
 computes nothing and writes nothing.
 """
@@ -18,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.backend.buckets import pow2_at_least
 from jaxbatch.backend.runner import PassOut, Runner, _forward, decode_rows, flatten, store_tokens
-from jaxbatch.sched.state import MIXED, Plan
+from jaxbatch.sched.state import DECODE, Plan
 
 
 def _pad_value(dtype):
@@ -37,11 +40,16 @@ class RunnerStep:
 
     def __init__(self, runner: Runner, longest: int):
         self.runner, self.buckets = runner, runner.buckets
-        self.rows = runner.buckets.mixed_rows
+        b, min_len = runner.num_slots, runner.buckets.min_len
+        self.rows = [runner.buckets.mixed_rows]  # a budgeted policy's passes hold its budget
+        if not runner.buckets.mixed_rows:  # a prefill holds at most every slot's sequence
+            self.rows = [pow2_at_least(b * longest, min_len, 1 << 30)]
+            while self.rows[0] // 4 >= min_len:
+                self.rows.insert(0, self.rows[0] // 4)
         self.contexts = sorted({runner.buckets.context(n) for n in range(1, longest + 1)})
-        self.width = max(self.rows, runner.num_slots)  # every branch's rows, padded alike
-        # Mixed then decode branches, one per context bucket; warm-up runs each once.
-        self.num_branches = 2 * len(self.contexts)
+        self.width = max(*self.rows, b)  # every branch's rows, padded alike
+        # Flat branches (rows x context), then decodes; warm-up runs each once.
+        self.num_branches = (len(self.rows) + 1) * len(self.contexts)
 
     def consts(self) -> tuple:
         """Device arrays the step reads, passed to the loop as arguments, not constants."""
@@ -74,9 +82,9 @@ class RunnerStep:
             pad = partial(_pad_rows, width=self.width)
             return jax.tree.map(pad, rows_of).replace(tokens=out.tokens)
 
-        def mixed(context):  # prompt tokens in the pass: the token budget's flattened rows
-            shape = self.buckets.flat(self.rows, context, any_plan=True)
-            return lambda: padded(_forward(*args, *flatten(plan, self.rows, b), shape=shape,
+        def flat(rows, context):  # prompt tokens in the pass: one row per token
+            shape = self.buckets.flat(rows, context, any_plan=True)
+            return lambda: padded(_forward(*args, *flatten(plan, rows, b), shape=shape,
                                            **common)[1])  # fmt: skip
 
         def decode(context):  # no prompt tokens: the cheaper all-slot decode
@@ -84,20 +92,23 @@ class RunnerStep:
             return lambda: padded(_forward(*args, *decode_rows(plan, shape), shape=shape,
                                            **common)[1])  # fmt: skip
 
-        branches = [mixed(c) for c in self.contexts] + [decode(c) for c in self.contexts]
+        branches = [flat(r, c) for r in self.rows for c in self.contexts]
+        branches += [decode(c) for c in self.contexts]
         nothing = jax.tree.map(lambda s: jnp.full(s.shape, _pad_value(s.dtype), s.dtype),
                                jax.eval_shape(branches[-1]))  # fmt: skip
         branches.append(lambda: nothing)
         context = self.buckets.shape_fields(plan, jnp)[2]
         bucket = jnp.searchsorted(jnp.array(self.contexts), context, side="left")
-        is_mixed = plan.kind == MIXED
-        branch = jnp.where(is_mixed, bucket, len(self.contexts) + bucket)
+        row_bucket = jnp.searchsorted(jnp.array(self.rows), plan.num_tokens.sum(), side="left")
+        row_bucket = jnp.where(plan.kind == DECODE, len(self.rows), row_bucket)
+        branch = row_bucket * len(self.contexts) + bucket
         branch = jnp.where(
             warm_branch >= 0, warm_branch, jnp.where(skip, len(branches) - 1, branch)
         )
         out = jax.lax.switch(branch, branches)
         carry = cache.write(out.ks, out.vs, out.index), store_tokens(buf, out)
-        ran = jnp.where(is_mixed, self.rows, b), 1, jnp.array(self.contexts)[bucket]
+        rows = jnp.array([*self.rows, b])[row_bucket]
+        ran = rows, 1, jnp.array(self.contexts)[bucket]
         return carry, out.tokens, jnp.float32(1.0), ran
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:

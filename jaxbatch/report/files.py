@@ -61,20 +61,20 @@ def write_requests(
 def write_passes(path: Path, record: Record, block_size: int) -> None:
     """One row per pass; rows, row_tokens and context: the shape the pass ran at (computed_tokens
     = rows x row_tokens); KV columns count positions after the pass (blocks_granted: paged only,
-    else 0)."""
+    else 0). Columns are computed whole, then written row by row."""
+    r = record
+    blocks = r.kv_reserved // block_size if block_size else np.zeros_like(r.kv_reserved)
+    ints = np.stack([
+        r.num_tokens.sum(1), r.computed_tokens, r.rows, r.row_tokens, r.context,
+        (r.num_tokens > 0).sum(1), r.kv_tokens, r.kv_reserved, r.kv_reserved - r.kv_tokens, blocks,
+    ], axis=1).astype(np.int64).tolist() if r.num_passes else []  # fmt: skip
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(PASS_COLUMNS)
-        for p in range(record.num_passes):
-            w.writerow(
-                [p, f"{record.start[p]:.9f}", f"{record.duration[p]:.9f}",
-                 KIND_NAMES[int(record.kind[p])], int(record.num_tokens[p].sum()),
-                 int(record.computed_tokens[p]), int(record.rows[p]), int(record.row_tokens[p]),
-                 int(record.context[p]), int((record.num_tokens[p] > 0).sum()),
-                 int(record.kv_tokens[p]), int(record.kv_reserved[p]),
-                 int(record.kv_reserved[p] - record.kv_tokens[p]),
-                 int(record.kv_reserved[p] // block_size) if block_size else 0]
-            )  # fmt: skip
+        w.writerows(
+            [p, f"{r.start[p]:.9f}", f"{r.duration[p]:.9f}", KIND_NAMES[int(r.kind[p])], *ints[p]]
+            for p in range(r.num_passes)
+        )
 
 
 def write_tokens(path: Path, outputs: list[np.ndarray]) -> None:
