@@ -2,10 +2,10 @@
 the loop's plan, over device state the loop carries (the KV cache and the token buffer).
 
 A decode pass runs the all-slot decode; any other pass (a mixed pass, or a prefill of whole
-prompts) runs flattened, one row per token, as the runner's mixed pass: at the token budget's rows
-for the budgeted policies (orca, chunked), else at the first of a few row buckets (each 4x the
-last, up to every slot's longest sequence) that holds its tokens; with query tiles for any plan
-of that many tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket
+prompts) runs flattened, one row per token, as the runner's mixed pass: at the first of a few row
+buckets that holds its tokens (each 4x the last, up to the token budget's rows for orca and
+chunked, or to every slot's longest sequence), with query tiles for any plan of that many
+tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket
 (the host loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host
 loop. The branches only read the cache; the step writes it once after the switch, in place (a branch that
 wrote it would make XLA copy the cache). An idle (or skipped) iteration takes a branch that
@@ -41,11 +41,10 @@ class RunnerStep:
     def __init__(self, runner: Runner, longest: int):
         self.runner, self.buckets = runner, runner.buckets
         b, min_len = runner.num_slots, runner.buckets.min_len
-        self.rows = [runner.buckets.mixed_rows]  # a budgeted policy's passes hold its budget
-        if not runner.buckets.mixed_rows:  # a prefill holds at most every slot's sequence
-            self.rows = [pow2_at_least(b * longest, min_len, 1 << 30)]
-            while self.rows[0] // 4 >= min_len:
-                self.rows.insert(0, self.rows[0] // 4)
+        # A budgeted policy's pass holds its budget; a prefill at most every slot's sequence.
+        self.rows = [runner.buckets.mixed_rows or pow2_at_least(b * longest, min_len, 1 << 30)]
+        while self.rows[0] // 4 >= min_len:
+            self.rows.insert(0, self.rows[0] // 4)
         self.contexts = sorted({runner.buckets.context(n) for n in range(1, longest + 1)})
         self.width = max(*self.rows, b)  # every branch's rows, padded alike
         # Flat branches (rows x context), then decodes; warm-up runs each once.
