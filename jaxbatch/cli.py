@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from jaxbatch.backend.compilation import cache_dir
 from jaxbatch.config import Config, ConfigError, register, validate
+from jaxbatch.engine import RunResult
 from jaxbatch.interrupt import Interrupt, never
 from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
@@ -35,14 +36,19 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 def execute(
-    cfg: Config, out_dir: Path, base_dir: Path | None = None, stop: Callable[[], bool] = never
+    cfg: Config,
+    out_dir: Path,
+    base_dir: Path | None = None,
+    stop: Callable[[], bool] = never,
+    result: RunResult | None = None,
 ) -> dict:
     """Validate, build, run and write every output file into out_dir; returns metrics.json.
     A run that `stop()` ends early writes every file for the passes done; the requests it left
-    unfinished are `interrupted` in requests.csv, and metrics.json says `"interrupted": true`."""
+    unfinished are `interrupted` in requests.csv, and metrics.json says `"interrupted": true`.
+    `result`: the run already done (a member of a swept program, see `vmap_launcher`)."""
     validate(cfg)
     workload = from_config(cfg.workload, base_dir)
-    result = simulate(cfg, workload, stop=stop)
+    result = result or simulate(cfg, workload, stop=stop)
     spec, rec, final = cfg.model.spec(), result.record, result.final
     memory = memory_spec(cfg)
     status = np.asarray(final.status)
@@ -145,6 +151,9 @@ def _pair(s: dict, passes: bool) -> str:
 
 
 INTERRUPT = Interrupt()  # Ctrl-C: the run stops between passes and writes what it did
+# Results of sweep jobs already run as one program, by job number (hydra.job.num): the vmap
+# launcher (hydra_plugins/jaxbatch_launcher) fills it before it runs each job's `main`.
+DONE: dict[int, RunResult] = {}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
@@ -160,7 +169,10 @@ def main(cfg: DictConfig) -> None:
     if INTERRUPT() and sweep_dir:  # Ctrl-C between two jobs: run no more
         _stop_sweep(sweep_dir)
     try:
-        metrics = execute(config, out_dir, Path(hydra.utils.get_original_cwd()), INTERRUPT)
+        done = DONE.pop(hydra_cfg.job.num, None) if sweep_dir else None
+        metrics = execute(
+            config, out_dir, Path(hydra.utils.get_original_cwd()), INTERRUPT, result=done
+        )
     except (ConfigError, WorkloadError) as err:
         print(f"jaxbatch: error: {err}", file=sys.stderr)
         if sweep_dir is None:

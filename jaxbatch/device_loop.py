@@ -191,9 +191,19 @@ def run_device(
     if unfinished and not interrupted:
         raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
     cols = {k: np.concatenate([d[k] for d in drained]) for k in drained[0]}
+    unit = wall_s / max(p, 1) if clock == "measured" else None  # timed as a whole
+    counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
+              cache_hits() - hits0, wall_s)  # fmt: skip
+    return _result(cols, final, backend, unit, counts, interrupted)
+
+
+def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, interrupted=False):
+    """A RunResult from the loop's record columns (host arrays, one row per pass) and final state.
+    `unit`: seconds per pass for a loop timed as a whole (else the loop's own clock); `counts`:
+    warm-up seconds, compilations, those after warm-up, cache hits, wall seconds."""
+    p = len(cols["kind"])
     start, duration = cols["start"].astype(np.float64), cols["duration"].astype(np.float64)
-    if clock == "measured":  # timed as a whole
-        unit = wall_s / max(p, 1)
+    if unit is not None:
         start, duration = np.arange(p) * unit, np.full(p, unit)
     record = Record(
         start=start, duration=duration, kind=cols["kind"], req=cols["req"],
@@ -204,10 +214,38 @@ def run_device(
         context=cols["context"].astype(np.int64),
         kv_tokens=cols["kv"].astype(np.int64), kv_reserved=cols["granted"].astype(np.int64),
     )  # fmt: skip
+    warmup_s, compiles, compiles_after, hits, wall_s = counts
     end = float(record.start[-1] + record.duration[-1]) if p else 0.0
     return RunResult(
         record=record, final=final, outputs=backend.outputs(np.asarray(final.num_generated)),
-        logits=None, duration_s=end, warmup_s=warmup_s, num_compiles=num_compiles() - compiles0,
-        compiles_after_warmup=num_compiles() - compiles_warm, cache_hits=cache_hits() - hits0,
-        wall_s=wall_s, interrupted=interrupted,
+        logits=None, duration_s=end, warmup_s=warmup_s, num_compiles=compiles,
+        compiles_after_warmup=compiles_after, cache_hits=hits, wall_s=wall_s,
+        interrupted=interrupted,
     )  # fmt: skip
+
+
+def run_sweep(
+    policy: Policy, params: PolicyParams, states: list[SchedState], backend: Simulator,
+    max_passes: int,
+) -> list[RunResult]:  # fmt: skip
+    """Simulated runs of one program (the same policy, backend and shapes; their workloads
+    differ) as one compiled `sweep_loop`; returns each member's result, as `run_device` would.
+    Compilation counts as every member's warm-up, the loop's wall time as every member's. The
+    device holds every member's whole record (no segments, no drain)."""
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+    compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
+    run = jax.jit(partial(sweep_loop, policy, params, backend=backend, max_passes=max_passes))
+    run = run.lower(stacked).compile()
+    warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
+    final, passes, rec = jax.device_get(jax.block_until_ready(run(stacked)))
+    wall_s = time.perf_counter() - t0
+    counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
+              cache_hits() - hits0, wall_s)  # fmt: skip
+    results = []
+    for i, p in enumerate(passes):
+        member = jax.tree.map(lambda x, i=i: x[i], final)
+        if ((member.status != FINISHED) & (member.status != REJECTED)).any():
+            raise RuntimeError(f"sweep member {i} did not end within max_passes={max_passes}")
+        cols = {k: v[i, :p] for k, v in rec.items()}
+        results.append(_result(cols, member, backend, None, counts))
+    return results

@@ -7,6 +7,7 @@ field; nothing here writes files (see `cli`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -23,7 +24,7 @@ from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError
-from jaxbatch.device_loop import run_device
+from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.engine import RunResult, run
 from jaxbatch.interrupt import never
 from jaxbatch.model.transformer import init_params
@@ -166,11 +167,9 @@ def policy_options(cfg: Config) -> dict:
     }  # fmt: skip
 
 
-def simulate(
-    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never
-) -> RunResult:
-    """Run a validated config on a workload; requests that can never fit are rejected up front.
-    The run ends early, with what it did, once `stop()` says so (see `interrupt`)."""
+def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
+    """Everything a run needs: (policy, params, state, backend, memory, shapes, fed), where
+    `shapes` is what the host loop warms up and `fed` the tokens the run's passes feed at most."""
     e = cfg.engine
     use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)
@@ -185,24 +184,59 @@ def simulate(
     shapes = backend.buckets.for_workload(
         workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged
     )
-    shapes = shapes if e.warmup else []
     watermark = watermark_blocks(cfg, memory)
     params = PolicyParams(
         max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
         watermark_blocks=np.int32(watermark),
     )  # fmt: skip
     policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
+    fed = int((workload.prompt_len + workload.max_new)[ok].sum())
+    return policy, params, state, backend, memory, shapes if e.warmup else [], fed
+
+
+def _max_passes(fed: int, memory: MemorySpec) -> int:
+    """Each pass feeds at least one token, and a preempted request recomputes at most its whole
+    sequence once per preemption: a generous bound that still ends a stuck run."""
+    return (4 if memory.paged else 1) * fed + 16
+
+
+def simulate(
+    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never
+) -> RunResult:
+    """Run a validated config on a workload; requests that can never fit are rejected up front.
+    The run ends early, with what it did, once `stop()` says so (see `interrupt`)."""
+    e = cfg.engine
+    policy, params, state, backend, memory, shapes, fed = _prepare(cfg, workload, with_logits)
     if e.loop == "device":
-        # Each pass feeds at least one token, and a preempted request recomputes at most its
-        # whole sequence once per preemption: a generous bound that still ends a stuck run.
-        fed = int((workload.prompt_len + workload.max_new)[ok].sum())
-        passes = (4 if memory.paged else 1) * fed + 16
         if isinstance(backend, Runner):
             backend = RunnerStep(backend, int(np.max(state.prompt_len + state.max_new)))
         return run_device(
-            policy, params, state, backend, passes, e.clock, cfg.output.progress, stop
-        )
+            policy, params, state, backend, _max_passes(fed, memory), e.clock,
+            cfg.output.progress, stop,
+        )  # fmt: skip
     return run(
         policy, params, state, backend, shapes, e.clock, cfg.output.progress,
         arrival=workload.arrival, stop=stop,
     )  # fmt: skip
+
+
+def sweep_key(cfg: Config) -> str | None:
+    """Runs with the same key can be simulated as one program (`simulate_sweep`): simulated on the
+    device loop, with everything but their workloads (seed, arrival process and rate, lengths,
+    trace scaling: same request count) and output options equal. None: the run cannot join."""
+    e = cfg.engine
+    if e.backend != "simulator" or e.loop != "device":
+        return None
+    return repr(dataclasses.replace(cfg, workload=None, output=None))
+
+
+def simulate_sweep(cfgs: list[Config], workloads: list[Workload]) -> list[RunResult]:
+    """Validated configs of one `sweep_key`, each with its workload, as one `sweep_loop` program;
+    each result equals its `simulate` (tested field for field)."""
+    keys = {sweep_key(c) for c in cfgs}
+    if len(keys) != 1 or None in keys or len({len(w) for w in workloads}) != 1:
+        raise ValueError("simulate_sweep: runs of one sweep_key, with workloads of one length")
+    members = [_prepare(c, w) for c, w in zip(cfgs, workloads)]
+    policy, params, _, backend, memory, _, _ = members[0]
+    passes = max(_max_passes(m[6], memory) for m in members)
+    return run_sweep(policy, params, [m[2] for m in members], backend, passes)

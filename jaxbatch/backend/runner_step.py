@@ -5,9 +5,9 @@ A decode pass runs the all-slot decode; any other pass (a mixed pass, or a prefi
 prompts) runs flattened, one row per token, as the runner's mixed pass: at the first of a few row
 buckets that holds its tokens (each 4x the last, up to the token budget's rows for orca and
 chunked, or to every slot's longest sequence), with query tiles for any plan of that many
-tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket
-(the host loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host
-loop. The branches only read the cache; the step writes it once after the switch, in place (a branch that
+tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket (the host
+loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host loop. The
+branches only read the cache; the step writes it once after the switch, in place (a branch that
 wrote it would make XLA copy the cache). An idle (or skipped) iteration takes a branch that
 computes nothing and writes nothing.
 """

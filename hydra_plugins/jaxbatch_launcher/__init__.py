@@ -1,0 +1,1 @@
+"""jaxbatch's Hydra launcher `vmap` (`hydra/launcher=vmap`): see `vmap_launcher`."""
