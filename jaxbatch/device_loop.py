@@ -30,12 +30,14 @@ from tqdm.auto import tqdm
 from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.simulator import Simulator
+from jaxbatch.clock import WINDOW, Clock
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, emitted
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
 
+_INF = float("inf")
 SEGMENT_S = 0.25  # run_device's segments last about this long: Ctrl-C is read between them
 BUFFER = 1 << 16  # passes of record run_device keeps on the device between two drains
 Backend = Simulator | RunnerStep
@@ -52,16 +54,18 @@ def _start(state: SchedState, carry: tuple, max_passes: int):
         "kind": count, "start": zeros, "duration": zeros, "kv": count, "granted": count,
         "rows": count, "row_tokens": count, "context": count,
     }  # fmt: skip
-    return state, carry, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec
+    return state, carry, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec, jnp.float32(_INF)
 
 
 def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int, warm,
-          carry):  # fmt: skip
+          window, carry):  # fmt: skip
     """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass
     and is recorded. A finished run (or one at max_passes) is left as it is, so members of a
     sweep can step on together until the last ends. `warm` (warm-up): pass p runs the backend's
-    branch p, whatever the plan."""
-    st0, bc, p, now0, done0, rec = carry
+    branch p, whatever the plan. With a `window` (run_device's exact clock), an idle plan whose
+    wake lies beyond it does not jump there, where float32 is coarse: it leaves the wake in the
+    carry's last field for the host, which moves the clock's origin near it."""
+    st0, bc, p, now0, done0, rec, _ = carry
     warm = jnp.asarray(warm, bool)
     halted = done0 | (p >= max_passes)
     st, plan = policy.schedule(st0.replace(now=now0), params)
@@ -79,15 +83,18 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
     at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
     rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
     st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
-    now = jnp.where(idle, jnp.maximum(now0, plan.wait_until), now0 + cost)
+    far = idle & jnp.isfinite(plan.wait_until) & (plan.wait_until > (window or _INF))
+    wake = jnp.where(far, now0, jnp.maximum(now0, plan.wait_until))
+    now = jnp.where(idle, wake, now0 + cost)
     done = idle & ~jnp.isfinite(plan.wait_until)
     keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(halted, o, n), old, new)  # noqa: E731
     st, now, done = keep(st0, st), keep(now0, now), done0 | done
-    return st, bc, p + (~idle & ~halted).astype(jnp.int32), now, done, rec
+    far = jnp.where(far & ~halted, plan.wait_until, _INF).astype(jnp.float32)
+    return st, bc, p + (~idle & ~halted).astype(jnp.int32), now, done, rec, far
 
 
 def _live(max_passes: int, carry):
-    _, _, p, _, done, _ = carry
+    _, _, p, _, done, _, _ = carry
     return ~done & (p < max_passes)
 
 
@@ -97,8 +104,8 @@ def device_loop(
     """A simulated run as a pure function of (params, state): returns the final state, the
     passes run and the record's arrays. Jittable; for many runs at once use `sweep_loop` (a
     vmapped while_loop would copy every member's record each pass)."""
-    step = partial(_step, policy, params, backend, (), max_passes, False)
-    st, _, p, _, _, rec = jax.lax.while_loop(
+    step = partial(_step, policy, params, backend, (), max_passes, False, None)
+    st, _, p, _, _, rec, _ = jax.lax.while_loop(
         partial(_live, max_passes), step, _start(state, (), max_passes)
     )
     return st, p, rec
@@ -110,9 +117,9 @@ def sweep_loop(
     """`device_loop` for a batch of runs (`states` stacked on a leading axis, as for vmap): one
     while_loop whose body steps every member (vmapped), until the last ends. Member i equals
     `device_loop` on states[i], field for field."""
-    step = jax.vmap(partial(_step, policy, params, backend, (), max_passes, False))
+    step = jax.vmap(partial(_step, policy, params, backend, (), max_passes, False, None))
     start = jax.vmap(partial(_start, carry=(), max_passes=max_passes))(states)
-    st, _, p, _, _, rec = jax.lax.while_loop(
+    st, _, p, _, _, rec, _ = jax.lax.while_loop(
         lambda c: jax.vmap(partial(_live, max_passes))(c).any(), step, start
     )
     return st, p, rec
@@ -127,20 +134,37 @@ def run_device(
     clock: str = "passes",
     progress: bool = False,
     stop: Callable[[], bool] = never,
+    arrival: np.ndarray | None = None,
 ) -> RunResult:
     """A run through the device loop, in segments (`stop()` is read between them). Compilation
     and one run of each of the backend's branches (XLA's first run of a branch costs far more than
     later ones) count as warm-up. The device holds the record of at most BUFFER passes: the host
     drains it whenever it fills, so memory follows the passes run, not `max_passes`. With
     `clock=measured` pass p starts at p x the loop's mean pass time; otherwise at the loop's
-    clock (passes, or priced seconds)."""
+    clock (passes, or priced seconds). Priced seconds are exact as the host loop's: the device's
+    float32 times are relative to an origin (`clock.Clock`, from `arrival`'s float64 times) that
+    the host moves to the clock after every segment; a segment ends once its clock leaves
+    clock.WINDOW, or at an idle wake beyond it, which the host nears in one step (`lookahead`)."""
     size = min(max_passes, BUFFER)
     consts = backend.consts()
+    window = WINDOW if clock == "priced" else None
+    times = Clock(np.asarray(state.arrival) if arrival is None else arrival)
+    if window:
+        state = times.rebase(state, 0.0)
 
     def segment(consts, carry, end, warm):
-        step = partial(_step, policy, params, backend, consts, size, warm)
-        live = lambda c: jnp.where(warm, c[2] < end, _live(size, c) & (c[2] < end))  # noqa: E731
+        step = partial(_step, policy, params, backend, consts, size, warm, window)
+
+        def live(c):
+            inside = (c[3] < window) & ~jnp.isfinite(c[6]) if window else True
+            return jnp.where(warm, c[2] < end, _live(size, c) & (c[2] < end) & inside)
+
         return jax.lax.while_loop(live, step, carry)
+
+    def rebase(carry):  # the origin moves to the clock, or near a far wake (the host loop's rule)
+        now, far = times.host(float(carry[3])), float(carry[6])
+        st = times.rebase(carry[0], times.lookahead(np.float32(far)) if np.isfinite(far) else now)
+        return (st, *carry[1:3], jnp.float32(times.device(now)), *carry[4:6], jnp.float32(_INF))
 
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     carry = jax.jit(partial(_start, max_passes=size))(state, backend.carry())
@@ -161,6 +185,7 @@ def run_device(
                unit="tok", desc=policy.name, leave=False)  # fmt: skip
     drained: list[dict] = []  # host copies of full buffers
     p, total, length = 0, 0, 8  # p: passes in the buffer; total: passes before it
+    origins = []  # (passes, the origin their start times are relative to), segment by segment
 
     def drain(carry, p):
         drained.append({k: np.asarray(v[:p]) for k, v in jax.device_get(carry[5]).items()})
@@ -175,9 +200,12 @@ def run_device(
             bar.refresh()
         seconds = time.perf_counter() - t_segment
         length = int(np.clip(SEGMENT_S * (p_next - p + 1) / max(seconds, 1e-6), 8, 1 << 20))
+        origins.append((p_next - p, times.origin))
         p = p_next
         if done or total + p >= max_passes:
             break
+        if window:
+            carry = rebase(carry)
         if p == size:
             carry, total, p = drain(carry, p), total + p, 0
     wall_s = time.perf_counter() - t0
@@ -191,6 +219,8 @@ def run_device(
     if unfinished and not interrupted:
         raise RuntimeError(f"the device loop did not end within max_passes={max_passes}")
     cols = {k: np.concatenate([d[k] for d in drained]) for k in drained[0]}
+    counts, offsets = [n for n, _ in origins], [o for _, o in origins]
+    cols["start"] = cols["start"].astype(np.float64) + np.repeat(offsets, counts)
     unit = wall_s / max(p, 1) if clock == "measured" else None  # timed as a whole
     counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
               cache_hits() - hits0, wall_s)  # fmt: skip

@@ -212,7 +212,7 @@ def simulate(
             backend = RunnerStep(backend, int(np.max(state.prompt_len + state.max_new)))
         return run_device(
             policy, params, state, backend, _max_passes(fed, memory), e.clock,
-            cfg.output.progress, stop,
+            cfg.output.progress, stop, workload.arrival,
         )  # fmt: skip
     return run(
         policy, params, state, backend, shapes, e.clock, cfg.output.progress,

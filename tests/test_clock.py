@@ -3,14 +3,18 @@ latency is ever negative."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxbatch.clock import Clock
+from jaxbatch.config import ModelConfig
 from jaxbatch.report.metrics import request_times
 from jaxbatch.run import simulate
 from jaxbatch.sched.state import init_state
 from tests.conftest import make_config, make_workload
+from tests.test_device_loop import H100
 
 # Two requests a microsecond apart near 1e7 s, where float32 steps by a whole second.
 ARRIVALS = [0.0, 3.5, 1e6 + 0.123456, 1e7 + 0.654321, 1e7 + 0.654322, 1e7 + 20.25]
@@ -61,3 +65,25 @@ def test_the_device_never_sees_a_request_before_it_arrives():
     near = clock.rebase(state, 1e7)
     rel = np.asarray(near.arrival, np.float64)[:2] + 1e7
     np.testing.assert_allclose(rel, arrival[:2], rtol=0, atol=5e-7)
+
+
+def test_the_device_loop_keeps_microseconds_on_the_priced_clock():
+    """The simulator's device loop moves its origin as the host loop does: the same pass starts
+    as the host loop's to a microsecond near 1e7 s, every prompt at its arrival."""
+    w = make_workload([8] * 6, [3] * 6, arrival=ARRIVALS)
+    cfg = make_config(num_slots=2, warmup=False, backend="simulator", clock="priced")
+    cfg.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
+                                    n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    cfg.hardware = H100
+    host = simulate(cfg, w)
+    device = simulate(
+        dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device")), w
+    )
+    np.testing.assert_array_equal(device.record.num_tokens, host.record.num_tokens)
+    np.testing.assert_allclose(device.record.start, host.record.start, rtol=0, atol=1e-6)
+    start, arrival = _first_pass_starts(device, len(ARRIVALS)), np.array(ARRIVALS)
+    alone = [0, 1, 2, 3, 5]
+    assert (start >= arrival).all()
+    np.testing.assert_allclose(start[alone], arrival[alone], rtol=0, atol=1e-6)
+    times = request_times(device.record, len(ARRIVALS))
+    assert (times.ttft(arrival) > 0).all()
