@@ -10,10 +10,11 @@ The plans are the host loop's, since both call the same `schedule` and `commit` 
 
 A run goes in segments of about SEGMENT_S seconds, between which the host reads Ctrl-C and
 advances the progress bar; the device keeps at most BUFFER passes of record, drained to the host
-when full. The clock is float32 on the device: exact for pass counts up to 2^24 and for priced
-times to float32's step (a microsecond up to 8 s); the host loop keeps float64 times. On the
-runner, the clock counts passes; with `clock=measured` (offline runs) the host times the whole
-loop and each pass is given the mean.
+when full. The clock is float32 on the device: exact for pass counts up to 2^24; priced seconds
+are relative to an origin the host moves between segments (`clock.Clock`, as the host loop), so
+they stay exact to a microsecond at any time. `sweep_loop` members keep a plain float32 clock
+(a microsecond up to 8 s). On the runner, the clock counts passes; with `clock=measured` (offline
+runs) the host times the whole loop and each pass is given the mean.
 """
 
 from __future__ import annotations
