@@ -3,7 +3,7 @@
 One decode pass of `slots` slots at one context bucket, run `passes` times three ways (medians of
 interleaved repeats, milliseconds per pass):
 - back to back: the runner's jitted pass called from Python with no sync between calls (the
-  replay floor of `fused_loop.py`, and the least any host loop can pay per pass);
+  replay floor of `device_loop.py`, and the least any host loop can pay per pass);
 - in one call: the same pass as the body of a `lax.fori_loop`, one call for all of them (what the
   fused loop pays per pass, less its schedule and commit);
 - empty call: a jitted function of the same arguments that computes nothing (Python dispatch).
