@@ -1,11 +1,11 @@
-"""What one jitted call costs besides its pass: the gap the fused loop closes and no host loop can.
+"""What one jitted call costs besides its pass: the gap the device loop closes and no host loop can.
 
 One decode pass of `slots` slots at one context bucket, run `passes` times three ways (medians of
 interleaved repeats, milliseconds per pass):
 - back to back: the runner's jitted pass called from Python with no sync between calls (the
   replay floor of `device_loop.py`, and the least any host loop can pay per pass);
 - in one call: the same pass as the body of a `lax.fori_loop`, one call for all of them (what the
-  fused loop pays per pass, less its schedule and commit);
+  device loop pays per pass, less its schedule and commit);
 - empty call: a jitted function of the same arguments that computes nothing (Python dispatch).
 The first two feed the same tokens at the same positions every pass: the same arithmetic.
 Asserts nothing.
