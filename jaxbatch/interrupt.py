@@ -1,7 +1,7 @@
 """Ctrl-C as a request to stop, not an exception.
 
 The first SIGINT sets a flag that the loops read between passes (the host loop) or between
-segments of passes (the fused loop) and between compiled shapes during warm-up; the run then ends
+segments of passes (the device loop) and between compiled shapes during warm-up; the run then ends
 early and its outputs are written for the passes done. A second SIGINT raises KeyboardInterrupt
 at once, as Python's default does.
 """

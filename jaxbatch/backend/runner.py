@@ -3,7 +3,7 @@
 Prefill, decode and mixed passes are the same function at different static shapes (rows x tokens,
 context read): each row feeds its slot's tokens at their positions, attends to its slot's cached
 context and this pass's own tokens, and samples one token from its last position. A host pass
-writes its K/V layer by layer; the fused loop writes them after the pass (see `kvcache`).
+writes its K/V layer by layer; the device loop writes them after the pass (see `kvcache`).
 Parameters, cache and the token buffer are explicit arguments; the cache and token buffer are
 donated. This module never decides what runs: the plan does.
 """
@@ -247,7 +247,7 @@ class Runner:
         p = plan if on_device is None else on_device
         if int(plan.kind) == DECODE:
             return self.decode(p, shape)
-        if int(plan.kind) == MIXED:  # flattened on the device, as the fused loop does
+        if int(plan.kind) == MIXED:  # flattened on the device, as the device loop does
             return self._call(shape, p)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
         slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)

@@ -7,7 +7,7 @@ gives each row its keys as `[kv_heads, positions, head_dim]`: attention is then 
 with no transpose of the context. A pass addresses either layout through a
 CacheIndex: each row's slot, token positions, real tokens and (paged) its block table. A pass may
 write its K/V layer by layer before attending (the host loop's passes: XLA updates the donated
-cache in place) or read the cache only and write everything at its end (the fused loop: a
+cache in place) or read the cache only and write everything at its end (the device loop: a
 `lax.switch` branch that wrote the cache would make XLA copy all of it every pass). This module
 never decides what to write: the scheduler's plan does.
 """
