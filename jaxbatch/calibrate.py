@@ -3,13 +3,14 @@
 It measures the machine (read bandwidth: a jitted sum over 64-256 MiB; peak: a jitted 2048 x 2048
 float32 matmul), times the real runner's passes over a grid of shapes (decode: slots x context;
 prefill: prompts x tokens; mixed: decodes plus a prompt chunk filling a token budget), prices each
-pass's work with `cost_model.pass_work`, and fits the entry's compute and memory efficiencies and
-per-pass overhead to the times by least squares on the relative error, holding out every fourth
-shape. A pass in a run also costs the host loop's own work (schedule, commit, one sync), which a
-pass timed alone does not: the overhead written is the median, over the passes of a real run
-(continuous, 64 requests), of each pass's measured time less its priced work. It prints the fit's
-error per shape, held-out shapes marked, and writes configs/hardware/cpu_local.yaml. Passes are
-priced unpadded: the runner's padding is part of what the efficiencies absorb.
+pass's work with `cost_model.pass_work`, and fits the entry's compute, memory and attention
+efficiencies and per-pass overhead to the times by least squares on the relative error, holding
+out every fourth shape. A pass in a run also costs the host loop's own work (schedule, commit,
+one sync), which a pass timed alone does not: the overhead written is the median, over the
+passes of a real run (continuous, 64 requests), of each pass's measured time less its priced work.
+It prints the fit's error per shape, held-out shapes marked, and writes
+configs/hardware/cpu_local.yaml. Passes are priced unpadded: the runner's padding is part of what
+the efficiencies absorb.
 """
 
 from __future__ import annotations
@@ -106,41 +107,55 @@ def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, float]]:
     return out
 
 
-def _terms(spec: ModelSpec, plan: Plan) -> np.ndarray:
-    """[K, 2]: each operation's (FLOPs, bytes); attention one row per request."""
+def _terms(spec: ModelSpec, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Each operation's (FLOPs, bytes): the matmuls and LM head [K, 2], and attention [R, 2], one
+    row per request."""
     fed = plan.num_tokens > 0
     work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed])
-    rows = [np.stack([np.ravel(f), np.ravel(b)], -1) for f, b in work.values()]
-    return np.concatenate([np.asarray(r, np.float64) for r in rows])
+    rows = {op: np.stack([np.ravel(f), np.ravel(b)], -1).astype(np.float64)
+            for op, (f, b) in work.items()}  # fmt: skip
+    attention = rows.pop("attention")
+    return np.concatenate(list(rows.values())), attention
 
 
-def fit(terms: list[np.ndarray], times: np.ndarray, bandwidth: float, peak: float):
-    """(compute efficiency, memory efficiency, overhead s) minimising the squared relative error
-    of overhead + sum over operations of max(FLOPs / (peak x ce), bytes / (bandwidth x me))."""
+def _padded(terms: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """[passes, width] FLOPs and bytes, zero-padded."""
     width = max(len(t) for t in terms)
-    flops = np.zeros((len(terms), width))
-    nbytes = np.zeros((len(terms), width))
+    flops, nbytes = np.zeros((len(terms), width)), np.zeros((len(terms), width))
     for i, t in enumerate(terms):
         flops[i, : len(t)], nbytes[i, : len(t)] = t[:, 0], t[:, 1]
-    best = (np.inf, 1.0, 1.0, 0.0)
+    return flops, nbytes
+
+
+def fit(terms: list[tuple[np.ndarray, np.ndarray]], times: np.ndarray, bandwidth: float,
+        peak: float):  # fmt: skip
+    """(compute efficiency, memory efficiency, attention efficiency, overhead s) minimising the
+    squared relative error of overhead + sum over operations of max(FLOPs / (peak x ce),
+    bytes / (bandwidth x me)), attention's divided by its efficiency."""
+    mm_flops, mm_bytes = _padded([m for m, _ in terms])
+    at_flops, at_bytes = _padded([a for _, a in terms])
+    best = (np.inf, 1.0, 1.0, 1.0, 0.0)
     grid = np.geomspace(0.002, 1.0, 120)
+    attention_grid = np.geomspace(0.02, 2.0, 120)[:, None]
+    w = 1 / times**2  # relative error: each pass weighs alike
     for ce in grid:
-        compute = flops / (peak * ce)
         for me in grid:
-            base = np.maximum(compute, nbytes / (bandwidth * me)).sum(1)
-            w = 1 / times**2  # relative error: each pass weighs alike
-            overhead = max(0.0, float(((times - base) * w).sum() / w.sum()))
-            loss = float((((base + overhead) / times - 1) ** 2).sum())
-            if loss < best[0]:
-                best = (loss, float(ce), float(me), overhead)
-    return best[1:]
+            matmul = np.maximum(mm_flops / (peak * ce), mm_bytes / (bandwidth * me)).sum(1)
+            attention = np.maximum(at_flops / (peak * ce), at_bytes / (bandwidth * me)).sum(1)
+            base = matmul + attention / attention_grid  # [attention efficiencies, passes]
+            overhead = np.maximum(0.0, ((times - base) * w).sum(1) / w.sum())
+            loss = (((base + overhead[:, None]) / times - 1) ** 2).sum(1)
+            i = int(np.argmin(loss))
+            if loss[i] < best[0]:
+                best = (loss[i], float(ce), float(me), float(attention_grid[i, 0]), overhead[i])
+    return tuple(float(x) for x in best[1:])
 
 
-def predict(terms, bandwidth, peak, ce, me, overhead) -> np.ndarray:
-    return np.array([
-        overhead + np.maximum(t[:, 0] / (peak * ce), t[:, 1] / (bandwidth * me)).sum()
-        for t in terms
-    ])  # fmt: skip
+def predict(terms, bandwidth, peak, ce, me, ae, overhead) -> np.ndarray:
+    def op_time(t):
+        return np.maximum(t[:, 0] / (peak * ce), t[:, 1] / (bandwidth * me)).sum()
+
+    return np.array([overhead + op_time(m) + op_time(a) / ae for m, a in terms])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,17 +170,18 @@ def main(argv: list[str] | None = None) -> None:
     terms = [_terms(spec, plan) for _, plan, _ in timed]
     times = np.array([t for *_, t in timed])
     held = np.arange(len(timed)) % 4 == 3
-    ce, me, overhead = fit([t for t, h in zip(terms, held) if not h], times[~held], bandwidth, peak)
-    pred = predict(terms, bandwidth, peak, ce, me, overhead)
+    fitted = [t for t, h in zip(terms, held) if not h]
+    ce, me, ae, overhead = fit(fitted, times[~held], bandwidth, peak)
+    pred = predict(terms, bandwidth, peak, ce, me, ae, overhead)
     err = pred / times - 1
-    print(f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, "
-          f"overhead {overhead * 1e6:.0f} us")  # fmt: skip
+    print(f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "
+          f"{ae:.3f}, overhead {overhead * 1e6:.0f} us")  # fmt: skip
     for (label, _, t), p, e, h in zip(timed, pred, err, held):
         print(f"  {label:<40}{1e3 * t:9.2f} ms  priced {1e3 * p:9.2f} ms  {e:+7.1%}"
               f"{'  (held out)' if h else ''}")  # fmt: skip
     print(f"median |error|: fitted shapes {np.median(np.abs(err[~held])):.1%}, "
           f"held-out shapes {np.median(np.abs(err[held])):.1%}")  # fmt: skip
-    in_run = run_overhead(spec, bandwidth, peak, ce, me)
+    in_run = run_overhead(spec, bandwidth, peak, ce, me, ae)
     print(f"per-pass overhead in a real run (host loop): {in_run * 1e6:.0f} us; written")
     overhead = in_run
     memory_gb = _memory_gb()
@@ -176,12 +192,15 @@ def main(argv: list[str] | None = None) -> None:
         f"name: cpu_local\npeak_tflops: {peak / 1e12:.6f}\nmemory_gb_s: {bandwidth / 1e9:.3f}\n"
         f"memory_gb: {memory_gb:.1f}\nlink_gb_s: 1.0  # one device: no all-reduce\n"
         f"compute_efficiency: {ce:.4f}\nmemory_efficiency: {me:.4f}\n"
+        f"attention_efficiency: {ae:.4f}\n"
         f"pass_overhead_us: {overhead * 1e6:.1f}\n"
     )
     print(f"wrote {args.out}")
 
 
-def run_overhead(spec: ModelSpec, bandwidth: float, peak: float, ce: float, me: float) -> float:
+def run_overhead(
+    spec: ModelSpec, bandwidth: float, peak: float, ce: float, me: float, ae: float
+) -> float:
     """Median over a real run's passes of the measured time less the priced work."""
     lengths = LengthConfig(dist="uniform", low=16, high=128)
     cfg = Config(
@@ -194,7 +213,7 @@ def run_overhead(spec: ModelSpec, bandwidth: float, peak: float, ce: float, me: 
              np.float32(0), np.zeros((rec.num_slots, 0), np.int32))
         for p in range(rec.num_passes)
     ]  # fmt: skip
-    work = predict([_terms(spec, plan) for plan in plans], bandwidth, peak, ce, me, 0.0)
+    work = predict([_terms(spec, plan) for plan in plans], bandwidth, peak, ce, me, ae, 0.0)
     return max(0.0, float(np.median(rec.duration - work)))
 
 

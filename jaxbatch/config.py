@@ -133,6 +133,9 @@ class HardwareConfig:
     link_gb_s: float = 0.0  # interconnect, per device
     compute_efficiency: float = 0.7  # shares of peak a pass reaches (calibration fits them)
     memory_efficiency: float = 0.9
+    # Attention's rates as a share of the matmuls' (1: the same; calibration fits it, since
+    # attention kernels run at their own efficiency).
+    attention_efficiency: float = 1.0
     pass_overhead_us: float = 0.0
     tensor_parallel: int = 1  # devices a model is split over (Megatron-style)
 
@@ -298,7 +301,7 @@ def _hardware(cfg: Config) -> None:
     if h.name == "none":
         return
     for name in ("peak_tflops", "memory_gb_s", "memory_gb", "link_gb_s", "compute_efficiency",
-                 "memory_efficiency", "tensor_parallel"):  # fmt: skip
+                 "memory_efficiency", "attention_efficiency", "tensor_parallel"):  # fmt: skip
         _positive(f"hardware.{name}", getattr(h, name))
     if m.n_kv_heads % h.tensor_parallel:
         raise ConfigError(

@@ -68,6 +68,11 @@ def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
     )
     allreduce = 2 * (2 * 0.5 * 5 * 8 * 4) / 10.0
     assert float(price(spec2, hw, n, s, fed, tp=2)) == pytest.approx(0.25 + halves + allreduce)
+    # Attention at a quarter of the matmuls' rates: its time, and only its, four times over.
+    slow = dataclasses.replace(hw, attention_efficiency=0.25)
+    f, b = pass_work(SMALL, n, s, fed)["attention"]
+    attention = np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
+    assert float(price(SMALL, slow, n, s, fed)) == pytest.approx(want + 3 * attention, rel=1e-6)
 
 
 def test_llama2_7b_on_an_h100_against_the_roofline():
@@ -132,12 +137,13 @@ def test_a_priced_run_charges_each_pass_its_price():
 def test_calibration_recovers_the_efficiencies_that_made_the_times():
     spec = ModelConfig().spec()
     terms = [_terms(spec, plan) for _, _, plan in shapes()]
-    grid = np.geomspace(0.002, 1.0, 120)
-    ce, me, overhead = grid[70], grid[100], 2e-4  # times from a known entry, on the fit's grid
-    times = predict(terms, 20e9, 100e9, ce, me, overhead)
+    grid, attention_grid = np.geomspace(0.002, 1.0, 120), np.geomspace(0.02, 2.0, 120)
+    # Times from a known entry, on the fit's grids.
+    ce, me, ae, overhead = grid[70], grid[100], attention_grid[40], 2e-4
+    times = predict(terms, 20e9, 100e9, ce, me, ae, overhead)
     got = fit(terms, times, 20e9, 100e9)
-    assert got[:2] == (pytest.approx(ce), pytest.approx(me))
-    assert got[2] == pytest.approx(overhead, rel=1e-6)
+    assert got[:3] == (pytest.approx(ce), pytest.approx(me), pytest.approx(ae))
+    assert got[3] == pytest.approx(overhead, rel=1e-6)
     np.testing.assert_allclose(predict(terms, 20e9, 100e9, *got), times, rtol=1e-6)
 
 

@@ -1,7 +1,8 @@
 """A pass's time from its work, for hardware and model sizes this machine lacks.
 
 A pass is priced as the sum over its operations of max(FLOPs / (peak x compute efficiency),
-bytes / (bandwidth x memory efficiency)), plus a fixed per-pass overhead and, with tensor
+bytes / (bandwidth x memory efficiency)) (attention's rates further scaled by its own efficiency),
+plus a fixed per-pass overhead and, with tensor
 parallelism, the all-reduce of each layer's two partial sums. The operations: per layer the QKV,
 output and MLP matmuls (every fed token), and attention per request, from its own query and
 context lengths (never a batch mean); then the LM head on the sampled rows. Weights are read once
@@ -35,6 +36,7 @@ class Hardware:
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.9
     pass_overhead_s: float = 0.0
+    attention_efficiency: float = 1.0  # attention's rates as a share of the matmuls'
 
 
 def _itemsize(dtype: str) -> int:
@@ -86,8 +88,9 @@ def price(spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int
     compute = hw.peak_flops * hw.compute_efficiency
     memory = hw.memory_bandwidth * hw.memory_efficiency
     total = jnp.float32(hw.pass_overhead_s)
-    for flops, nbytes in pass_work(spec, num_tokens, start_pos, sampled, tp).values():
-        total = total + jnp.maximum(flops / compute, nbytes / memory).sum()
+    for op, (flops, nbytes) in pass_work(spec, num_tokens, start_pos, sampled, tp).items():
+        scale = hw.attention_efficiency if op == "attention" else 1.0
+        total = total + jnp.maximum(flops / compute, nbytes / memory).sum() / scale
     if tp > 1:  # ring all-reduce of the attention and MLP outputs, every layer
         tokens = jnp.asarray(num_tokens, jnp.float32).sum()
         moved = 2 * (tp - 1) / tp * tokens * spec.d_model * _itemsize(spec.dtype)
