@@ -125,3 +125,19 @@ def test_device_loop_config_errors_name_the_field(change, expect):
         validate(cfg)
     assert str(err.value).startswith(f"engine.loop='{cfg.engine.loop}' is not valid: ")
     assert expect in str(err.value)
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
+def test_the_simulator_makes_the_runners_plans(policy):
+    """The same `sched/` code schedules both backends: with arrivals on the passes clock, the
+    simulator's passes are the runner's, pass for pass, on either loop."""
+    w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
+    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg.policy.token_budget = 64
+    cfg.policy.max_wait_s = 3.0 if policy == "static" else 0.0
+    runner = simulate(cfg, w)
+    for loop in ("host", "device"):
+        engine = dataclasses.replace(cfg.engine, backend="simulator", loop=loop)
+        sim = simulate(dataclasses.replace(cfg, engine=engine), w)
+        for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_tokens"):
+            np.testing.assert_array_equal(getattr(sim.record, field), getattr(runner.record, field))
