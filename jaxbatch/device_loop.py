@@ -52,10 +52,28 @@ def _start(state: SchedState, carry: tuple, max_passes: int):
     count = jnp.zeros(max_passes, jnp.int32)
     rec = {
         "req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
-        "kind": count, "start": zeros, "duration": zeros, "kv": count, "granted": count,
-        "rows": count, "row_tokens": count, "context": count,
+        "kind": count, "start": zeros, "start_lo": zeros, "duration": zeros, "kv": count,
+        "granted": count, "rows": count, "row_tokens": count, "context": count,
     }  # fmt: skip
-    return state, carry, jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), rec, jnp.float32(_INF)
+    now = jnp.zeros(2, jnp.float32)  # the clock as hi + lo (`_add`)
+    return state, carry, jnp.int32(0), now, jnp.bool_(False), rec, jnp.float32(_INF)
+
+
+def _add(now: jax.Array, x: jax.Array) -> jax.Array:
+    """The clock [hi, lo] plus x, to float32's step squared: Knuth's two-sum keeps what hi + x
+    rounds off in lo, so a clock of many passes drifts from the host loop's float64 by nothing a
+    scheduling decision can see."""
+    hi = now[0] + x
+    back = hi - now[0]
+    err = (now[0] - (hi - back)) + (x - back)
+    lo = now[1] + err
+    top = hi + lo  # renormalise: hi the nearest float32, lo the rest
+    return jnp.stack([top, lo - (top - hi)])
+
+
+def _seen(now: jax.Array) -> jax.Array:
+    """The clock as the scheduler sees it: hi rounded down, so no arrival is admitted early."""
+    return jnp.where(now[1] < 0, jnp.nextafter(now[0], jnp.float32(-_INF)), now[0])
 
 
 def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int, warm,
@@ -69,7 +87,7 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
     st0, bc, p, now0, done0, rec, _ = carry
     warm = jnp.asarray(warm, bool)
     halted = done0 | (p >= max_passes)
-    st, plan = policy.schedule(st0.replace(now=now0), params)
+    st, plan = policy.schedule(st0.replace(now=_seen(now0)), params)
     idle = (plan.kind == IDLE) & ~warm
     bc, tokens, cost, (rows, row_tokens, context) = backend.device_step(
         consts, bc, plan, idle | halted, jnp.where(warm, p, -1)
@@ -78,15 +96,17 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
     committed = policy.commit(st, plan, tokens, params)
     kv, granted = kv_live(committed, holder), kv_reserved(committed)
     row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
-           "holder": holder, "kind": plan.kind, "start": now0, "duration": cost, "kv": kv,
+           "holder": holder, "kind": plan.kind, "start": now0[0], "start_lo": now0[1],
+           "duration": cost, "kv": kv,
            "granted": granted, "rows": rows, "row_tokens": row_tokens,
            "context": context}  # fmt: skip
     at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
     rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
     st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
     far = idle & jnp.isfinite(plan.wait_until) & (plan.wait_until > (window or _INF))
-    wake = jnp.where(far, now0, jnp.maximum(now0, plan.wait_until))
-    now = jnp.where(idle, wake, now0 + cost)
+    later = ~far & (plan.wait_until > _seen(now0))  # a wake jumps the clock to it exactly
+    wake = jnp.where(later, jnp.stack([plan.wait_until, jnp.float32(0)]), now0)
+    now = jnp.where(idle, wake, _add(now0, cost))
     done = idle & ~jnp.isfinite(plan.wait_until)
     keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(halted, o, n), old, new)  # noqa: E731
     st, now, done = keep(st0, st), keep(now0, now), done0 | done
@@ -157,15 +177,18 @@ def run_device(
         step = partial(_step, policy, params, backend, consts, size, warm, window)
 
         def live(c):
-            inside = (c[3] < window) & ~jnp.isfinite(c[6]) if window else True
+            inside = (c[3][0] < window) & ~jnp.isfinite(c[6]) if window else True
             return jnp.where(warm, c[2] < end, _live(size, c) & (c[2] < end) & inside)
 
         return jax.lax.while_loop(live, step, carry)
 
     def rebase(carry):  # the origin moves to the clock, or near a far wake (the host loop's rule)
-        now, far = times.host(float(carry[3])), float(carry[6])
+        hi, lo = (float(x) for x in np.asarray(carry[3]))
+        now, far = times.host(hi) + lo, float(carry[6])
         st = times.rebase(carry[0], times.lookahead(np.float32(far)) if np.isfinite(far) else now)
-        return (st, *carry[1:3], jnp.float32(times.device(now)), *carry[4:6], jnp.float32(_INF))
+        rel = now - times.origin  # exact as hi + lo
+        clock = jnp.array([np.float32(rel), np.float32(rel - np.float32(rel))], jnp.float32)
+        return (st, *carry[1:3], clock, *carry[4:6], jnp.float32(_INF))
 
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     carry = jax.jit(partial(_start, max_passes=size))(state, backend.carry())
@@ -233,7 +256,8 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
     `unit`: seconds per pass for a loop timed as a whole (else the loop's own clock); `counts`:
     warm-up seconds, compilations, those after warm-up, cache hits, wall seconds."""
     p = len(cols["kind"])
-    start, duration = cols["start"].astype(np.float64), cols["duration"].astype(np.float64)
+    start = cols["start"].astype(np.float64) + cols["start_lo"]  # the clock's hi + lo
+    duration = cols["duration"].astype(np.float64)
     if unit is not None:
         start, duration = np.arange(p) * unit, np.full(p, unit)
     record = Record(
