@@ -9,8 +9,8 @@ out every fourth shape. A pass in a run also costs the host loop's own work (sch
 one sync), which a pass timed alone does not: the overhead written is the median, over the
 passes of a real run (continuous, 64 requests), of each pass's measured time less its priced work.
 It prints the fit's error per shape, held-out shapes marked, and writes
-configs/hardware/cpu_local.yaml. Passes are priced unpadded: the runner's padding is part of what
-the efficiencies absorb.
+configs/hardware/cpu_local.yaml. Matmuls are priced at the runner's padded shape (the entry's
+`padded`), as the runner computes them; attention at each request's own lengths.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def shapes() -> list[tuple[str, int, Plan]]:
     return out
 
 
-def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, float]]:
-    """Each grid pass on the real runner: (label, plan, median seconds)."""
+def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, int, float]]:
+    """Each grid pass on the real runner: (label, plan, tokens computed, median seconds)."""
     params, runners, out = init_params(spec, 0), {}, []
     for label, slots, plan in shapes():
         if slots not in runners:
@@ -103,15 +103,15 @@ def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, float]]:
         shape = runner.buckets.shape_of(plan)
         runner.warmup([shape])
         run = lambda r=runner, p=plan, s=shape: r.execute(p, s)[0]  # noqa: E731
-        out.append((label, plan, best_time(run, repeats)))
+        out.append((label, plan, shape.rows * shape.tokens, best_time(run, repeats)))
     return out
 
 
-def _terms(spec: ModelSpec, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """Each operation's (FLOPs, bytes): the matmuls and LM head [K, 2], and attention [R, 2], one
-    row per request."""
+def _terms(spec: ModelSpec, plan: Plan, computed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each operation's (FLOPs, bytes): the matmuls (at `computed` tokens, the pass's padded
+    shape) and LM head [K, 2], and attention [R, 2], one row per request."""
     fed = plan.num_tokens > 0
-    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed])
+    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed], 1, computed)
     rows = {op: np.stack([np.ravel(f), np.ravel(b)], -1).astype(np.float64)
             for op, (f, b) in work.items()}  # fmt: skip
     attention = rows.pop("attention")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth, peak = machine()
     print(f"machine: read {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s")
     timed = time_passes(spec, args.repeats)
-    terms = [_terms(spec, plan) for _, plan, _ in timed]
+    terms = [_terms(spec, plan, computed) for _, plan, computed, _ in timed]
     times = np.array([t for *_, t in timed])
     held = np.arange(len(timed)) % 4 == 3
     fitted = [t for t, h in zip(terms, held) if not h]
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     err = pred / times - 1
     print(f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "
           f"{ae:.3f}, overhead {overhead * 1e6:.0f} us")  # fmt: skip
-    for (label, _, t), p, e, h in zip(timed, pred, err, held):
+    for (label, _, _, t), p, e, h in zip(timed, pred, err, held):
         print(f"  {label:<40}{1e3 * t:9.2f} ms  priced {1e3 * p:9.2f} ms  {e:+7.1%}"
               f"{'  (held out)' if h else ''}")  # fmt: skip
     print(f"median |error|: fitted shapes {np.median(np.abs(err[~held])):.1%}, "
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         f"name: cpu_local\npeak_tflops: {peak / 1e12:.6f}\nmemory_gb_s: {bandwidth / 1e9:.3f}\n"
         f"memory_gb: {memory_gb:.1f}\nlink_gb_s: 1.0  # one device: no all-reduce\n"
         f"compute_efficiency: {ce:.4f}\nmemory_efficiency: {me:.4f}\n"
-        f"attention_efficiency: {ae:.4f}\n"
+        f"attention_efficiency: {ae:.4f}\npadded: true  # matmuls priced as the runner pads them\n"
         f"pass_overhead_us: {overhead * 1e6:.1f}\n"
     )
     print(f"wrote {args.out}")
@@ -213,7 +213,9 @@ def run_overhead(
              np.float32(0), np.zeros((rec.num_slots, 0), np.int32))
         for p in range(rec.num_passes)
     ]  # fmt: skip
-    work = predict([_terms(spec, plan) for plan in plans], bandwidth, peak, ce, me, ae, 0.0)
+    computed = rec.rows * rec.row_tokens
+    terms = [_terms(spec, plan, c) for plan, c in zip(plans, computed)]
+    work = predict(terms, bandwidth, peak, ce, me, ae, 0.0)
     return max(0.0, float(np.median(rec.duration - work)))
 
 

@@ -136,6 +136,9 @@ class HardwareConfig:
     # Attention's rates as a share of the matmuls' (1: the same; calibration fits it, since
     # attention kernels run at their own efficiency).
     attention_efficiency: float = 1.0
+    # Price matmuls at the runner's padded shape, as calibration to this machine's runner does
+    # (false: at the tokens fed, as for a serving system that pads nothing).
+    padded: bool = False
     pass_overhead_us: float = 0.0
     tensor_parallel: int = 1  # devices a model is split over (Megatron-style)
 

@@ -73,6 +73,17 @@ def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
     f, b = pass_work(SMALL, n, s, fed)["attention"]
     attention = np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
     assert float(price(SMALL, slow, n, s, fed)) == pytest.approx(want + 3 * attention, rel=1e-6)
+    # Padded: the matmuls run on the 8 rows of the pass's bucket, attention on what was fed.
+    padded = dataclasses.replace(hw, padded=True)
+    eight = 0.25 + sum(
+        np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
+        for f, b in pass_work(SMALL, n, s, fed, computed=8).values()
+    )
+    for x, y in zip(pass_work(SMALL, n, s, fed, computed=8)["attention"],
+                    pass_work(SMALL, n, s, fed)["attention"]):  # fmt: skip
+        np.testing.assert_array_equal(x, y)
+    assert float(price(SMALL, padded, n, s, fed, computed=8)) == pytest.approx(eight, rel=1e-6)
+    assert float(price(SMALL, hw, n, s, fed, computed=8)) == pytest.approx(want, rel=1e-6)
 
 
 def test_llama2_7b_on_an_h100_against_the_roofline():
@@ -136,7 +147,7 @@ def test_a_priced_run_charges_each_pass_its_price():
 
 def test_calibration_recovers_the_efficiencies_that_made_the_times():
     spec = ModelConfig().spec()
-    terms = [_terms(spec, plan) for _, _, plan in shapes()]
+    terms = [_terms(spec, plan, int(plan.num_tokens.sum())) for _, _, plan in shapes()]
     grid, attention_grid = np.geomspace(0.002, 1.0, 120), np.geomspace(0.02, 2.0, 120)
     # Times from a known entry, on the fit's grids.
     ce, me, ae, overhead = grid[70], grid[100], attention_grid[40], 2e-4

@@ -37,6 +37,9 @@ class Hardware:
     memory_efficiency: float = 0.9
     pass_overhead_s: float = 0.0
     attention_efficiency: float = 1.0  # attention's rates as a share of the matmuls'
+    # Matmuls priced at the runner's padded shape (its bucket's rows x tokens), as this machine's
+    # runner computes them (calibration sets it); False: at the tokens fed.
+    padded: bool = False
 
 
 def _itemsize(dtype: str) -> int:
@@ -54,16 +57,21 @@ def matmuls(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     }
 
 
-def pass_work(spec: ModelSpec, num_tokens: Array, start_pos: Array, sampled: Array, tp: int = 1):
+def pass_work(
+    spec: ModelSpec, num_tokens: Array, start_pos: Array, sampled: Array, tp: int = 1,
+    computed: Array | None = None,
+):  # fmt: skip
     """FLOPs and bytes of each operation of a pass, per device of a `tp`-way group (activations
     counted as if split `tp` ways).
 
     num_tokens, start_pos [B]: what each slot feeds and where; sampled [B] bool: the slots whose
-    last token is sampled. Returns {op: (flops, bytes)}, where attention's entries are [B] (one
-    per request and all layers) and the others scalars (all layers)."""
+    last token is sampled; `computed`: the tokens the matmuls run on, padding included (None: the
+    tokens fed). Returns {op: (flops, bytes)}, where attention's entries are [B] (one per request
+    and all layers) and the others scalars (all layers)."""
     n = jnp.asarray(num_tokens, jnp.float32)
     s = jnp.asarray(start_pos, jnp.float32)
-    tokens, rows = n.sum(), jnp.asarray(sampled, jnp.float32).sum()
+    tokens = n.sum() if computed is None else jnp.asarray(computed, jnp.float32)
+    rows = jnp.asarray(sampled, jnp.float32).sum()
     w, a = _itemsize(spec.dtype), _itemsize(spec.dtype)
     kv = _itemsize(spec.kv_dtype if spec.kv_dtype != "auto" else spec.dtype)
     layers, d = spec.n_layers, spec.d_model
@@ -83,12 +91,17 @@ def pass_work(spec: ModelSpec, num_tokens: Array, start_pos: Array, sampled: Arr
     return work
 
 
-def price(spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1) -> Array:
-    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw`."""
+def price(
+    spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1, computed=None
+) -> Array:
+    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw` (`computed`: see
+    `pass_work`; used when `hw.padded`)."""
     compute = hw.peak_flops * hw.compute_efficiency
     memory = hw.memory_bandwidth * hw.memory_efficiency
     total = jnp.float32(hw.pass_overhead_s)
-    for op, (flops, nbytes) in pass_work(spec, num_tokens, start_pos, sampled, tp).items():
+    computed = computed if hw.padded else None
+    work = pass_work(spec, num_tokens, start_pos, sampled, tp, computed)
+    for op, (flops, nbytes) in work.items():
         scale = hw.attention_efficiency if op == "attention" else 1.0
         total = total + jnp.maximum(flops / compute, nbytes / memory).sum() / scale
     if tp > 1:  # ring all-reduce of the attention and MLP outputs, every layer

@@ -7,8 +7,6 @@ the clock counts passes. It must never touch model weights.
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,12 +35,15 @@ class Simulator:
         self._price = self.price_plan = None
         if priced is not None:
             hw, tp = priced
-            self._price = jax.jit(partial(price, spec, hw, tp=tp))
 
-            def price_plan(plan: Plan) -> Array:  # for jitted code: a plan's price on device
-                return price(spec, hw, plan.num_tokens, plan.start_pos, plan.num_tokens > 0, tp)
+            def priced(num_tokens, start_pos, kind) -> Array:  # jnp: the price of a plan's pass
+                plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
+                rows, tokens, _, _ = self.buckets.shape_fields(plan, jnp)
+                fed = num_tokens > 0
+                return price(spec, hw, num_tokens, start_pos, fed, tp, rows * tokens)
 
-            self.price_plan = price_plan
+            self._price = jax.jit(priced)
+            self.price_plan = lambda plan: priced(plan.num_tokens, plan.start_pos, plan.kind)
 
     num_branches = 0  # the device loop's warm-up: nothing to run once
 
@@ -68,12 +69,11 @@ class Simulator:
         """Nothing to compile but the cost model."""
         if self._price is not None:
             zeros = np.zeros(self._tokens.shape[0], np.int32)
-            jax.block_until_ready(self._price(zeros, zeros, zeros > 0))
+            jax.block_until_ready(self._price(zeros, zeros, np.int32(0)))
 
     def price(self, plan: Plan) -> float:
         """Seconds the pass of a host-side plan takes on the target hardware."""
-        fed = plan.num_tokens > 0
-        return float(self._price(plan.num_tokens, plan.start_pos, fed))
+        return float(self._price(plan.num_tokens, plan.start_pos, np.int32(plan.kind)))
 
     def execute(
         self, plan: Plan, shape: PassShape, on_device: Plan | None = None
