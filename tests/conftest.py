@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import jaxbatch.run
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
@@ -16,6 +17,15 @@ TEST_MODEL = ModelConfig(
     name="custom", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128,
     max_len=256,
 )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache(monkeypatch):
+    """In-process runs never turn on JAX's persistent compilation cache (a config left at its
+    default, `user`, would, and every later compilation of the test process would write the
+    user's cache): late in the suite, XLA's CPU compiler then segfaulted compiling a pass, on
+    every run (see the README). test_compile_cache checks the cache in subprocesses."""
+    monkeypatch.setattr(jaxbatch.run, "use_cache", lambda path: None)
 
 
 @pytest.fixture(scope="session", params=[2, 4], ids=["kv2", "kv4"])
