@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,6 +18,14 @@ TEST_MODEL = ModelConfig(
     name="custom", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128,
     max_len=256,
 )  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilations():
+    """Each test module's compiled programs are dropped after it: the suite compiles hundreds of
+    programs in one process, and late in it XLA's CPU compiler segfaulted (see the README)."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)
