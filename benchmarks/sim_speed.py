@@ -11,14 +11,13 @@ import argparse
 import dataclasses
 import time
 
-import jax
 import numpy as np
 from common import config
 from omegaconf import OmegaConf
 
 from jaxbatch.calibrate import HARDWARE_DIR
 from jaxbatch.config import HardwareConfig, LengthConfig, ModelConfig
-from jaxbatch.device_loop import device_loop, sweep_loop
+from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
@@ -50,7 +49,8 @@ def main() -> None:
         print(f"{loop:>6} loop, one run: {res.record.num_passes} passes in {seconds:.2f} s "
               f"({res.record.num_passes / seconds:,.0f} passes/s, compile excluded: "
               f"{res.warmup_s:.1f} s apart)")  # fmt: skip
-    # A sweep over arrival rates: the same requests, arrivals stretched from 0.25x to 4x.
+    # A sweep over arrival rates: the same requests, arrivals stretched from 0.25x to 4x, run
+    # one by one (`run_device`, as `simulate` runs them) and as one program (`run_sweep`).
     memory = memory_spec(cfg)
     backend = build_backend(cfg, workload, memory)
     policy, params = make_policy("continuous"), PolicyParams()
@@ -62,24 +62,16 @@ def main() -> None:
                           np.zeros(len(workload), bool), args.slots, memory=memory)  # fmt: skip
 
     states = [state(s) for s in scales]
-    one = jax.jit(lambda st: device_loop(policy, params, st, backend, fed))
-    many = jax.jit(lambda sts: sweep_loop(policy, params, sts, backend, fed))
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
-    t0 = time.perf_counter()
-    jax.block_until_ready(one(states[0]))
-    jax.block_until_ready(many(stacked))
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    passes = sum(int(jax.block_until_ready(one(st))[1]) for st in states)
-    sequential = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(many(stacked))
-    vmapped = time.perf_counter() - t0
-    assert int(np.asarray(out[1]).sum()) == passes
-    print(f"{args.members} members, {passes} passes in all (compile {compile_s:.1f} s apart): "
-          f"one by one {sequential:.2f} s ({passes / sequential:,.0f} passes/s), vmapped "
-          f"{vmapped:.2f} s ({passes / vmapped:,.0f} passes/s): {sequential / vmapped:.1f}x")  # fmt: skip
-
+    alone = [run_device(policy, params, st, backend, fed) for st in states]
+    together = run_sweep(policy, [params] * args.members, states, backend, fed)
+    passes = sum(r.record.num_passes for r in alone)
+    assert passes == sum(r.record.num_passes for r in together)
+    sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s
+    compile_s = sum(r.warmup_s for r in alone)
+    print(f"{args.members} members, {passes} passes in all: one by one {sequential:.2f} s "
+          f"({passes / sequential:,.0f} passes/s; compiles {compile_s:.1f} s apart), vmapped "
+          f"{vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
+          f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x")  # fmt: skip
 
 if __name__ == "__main__":
     main()

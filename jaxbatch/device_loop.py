@@ -12,7 +12,7 @@ A run goes in segments of about SEGMENT_S seconds, between which the host reads 
 advances the progress bar; the device keeps at most BUFFER passes of record, drained to the host
 when full. The clock is float32 on the device: exact for pass counts up to 2^24; priced seconds
 are relative to an origin the host moves between segments (`clock.Clock`, as the host loop), so
-they stay exact to a microsecond at any time. `sweep_loop` members keep a plain float32 clock
+they stay exact to a microsecond at any time. `run_sweep` members keep a plain float32 clock
 (a microsecond up to 8 s). On the runner, the clock counts passes; with `clock=measured` (offline
 runs) the host times the whole loop and each pass is given the mean.
 """
@@ -93,8 +93,9 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
         consts, bc, plan, idle | halted, jnp.where(warm, p, -1)
     )
     holder = st.slot_req
-    committed = policy.commit(st, plan, tokens, params)
-    kv, granted = kv_live(committed, holder), kv_reserved(committed)
+    # An idle plan feeds nothing, so its commit changes nothing: no select between whole states.
+    st = policy.commit(st, plan, tokens, params)
+    kv, granted = kv_live(st, holder), kv_reserved(st)
     row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
            "holder": holder, "kind": plan.kind, "start": now0[0], "start_lo": now0[1],
            "duration": cost, "kv": kv,
@@ -102,14 +103,12 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
            "context": context}  # fmt: skip
     at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
     rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
-    st = jax.tree.map(lambda a, c: jnp.where(idle, a, c), st, committed)
     far = idle & jnp.isfinite(plan.wait_until) & (plan.wait_until > (window or _INF))
     later = ~far & (plan.wait_until > _seen(now0))  # a wake jumps the clock to it exactly
     wake = jnp.where(later, jnp.stack([plan.wait_until, jnp.float32(0)]), now0)
-    now = jnp.where(idle, wake, _add(now0, cost))
-    done = idle & ~jnp.isfinite(plan.wait_until)
-    keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(halted, o, n), old, new)  # noqa: E731
-    st, now, done = keep(st0, st), keep(now0, now), done0 | done
+    now = jnp.where(idle | halted, jnp.where(halted, now0, wake), _add(now0, cost))
+    done = done0 | (idle & ~halted & ~jnp.isfinite(plan.wait_until))
+    st = jax.tree.map(lambda o, n: jnp.where(halted, o, n), st0, st)  # a halted run stays
     far = jnp.where(far & ~halted, plan.wait_until, _INF).astype(jnp.float32)
     return st, bc, p + (~idle & ~halted).astype(jnp.int32), now, done, rec, far
 
@@ -123,8 +122,8 @@ def device_loop(
     policy: Policy, params: PolicyParams, state: SchedState, backend: Simulator, max_passes: int
 ):
     """A simulated run as a pure function of (params, state): returns the final state, the
-    passes run and the record's arrays. Jittable; for many runs at once use `sweep_loop` (a
-    vmapped while_loop would copy every member's record each pass)."""
+    passes run and the record's arrays (max_passes of them: for long runs, `run_device`
+    keeps a bounded buffer). Jittable; for many runs at once see `run_sweep`."""
     step = partial(_step, policy, params, backend, (), max_passes, False, None)
     st, _, p, _, _, rec, _ = jax.lax.while_loop(
         partial(_live, max_passes), step, _start(state, (), max_passes)
@@ -132,18 +131,13 @@ def device_loop(
     return st, p, rec
 
 
-def sweep_loop(
-    policy: Policy, params: PolicyParams, states: SchedState, backend: Simulator, max_passes: int
-):
-    """`device_loop` for a batch of runs (`states` stacked on a leading axis, as for vmap): one
-    while_loop whose body steps every member (vmapped), until the last ends. Member i equals
-    `device_loop` on states[i], field for field."""
-    step = jax.vmap(partial(_step, policy, params, backend, (), max_passes, False, None))
-    start = jax.vmap(partial(_start, carry=(), max_passes=max_passes))(states)
-    st, _, p, _, _, rec, _ = jax.lax.while_loop(
-        lambda c: jax.vmap(partial(_live, max_passes))(c).any(), step, start
-    )
-    return st, p, rec
+def sweep_segment(policy: Policy, backend: Simulator, size: int, params: PolicyParams, carry):
+    """One segment of a sweep: every member (carries and params stacked on a leading axis) steps,
+    vmapped, until each has ended or filled its `size` passes of record; the host then drains
+    the records (`run_sweep`). A member halted (ended, or full) is left as it is."""
+    step = jax.vmap(lambda pp, c: _step(policy, pp, backend, (), size, False, None, c))
+    live = lambda c: jax.vmap(partial(_live, size))(c).any()  # noqa: E731
+    return jax.lax.while_loop(live, lambda c: step(params, c), carry)
 
 
 def run_device(
@@ -279,28 +273,50 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
     )  # fmt: skip
 
 
+SWEEP_BYTES = 1 << 28  # record a sweep keeps on the device between drains, all members together
+
+
 def run_sweep(
-    policy: Policy, params: PolicyParams, states: list[SchedState], backend: Simulator,
+    policy: Policy, params: list[PolicyParams], states: list[SchedState], backend: Simulator,
     max_passes: int,
 ) -> list[RunResult]:  # fmt: skip
-    """Simulated runs of one program (the same policy, backend and shapes; their workloads
-    differ) as one compiled `sweep_loop`; returns each member's result, as `run_device` would.
-    Compilation counts as every member's warm-up, the loop's wall time as every member's. The
-    device holds every member's whole record (no segments, no drain)."""
+    """Simulated runs of one program (the same policy, backend and shapes; their workloads and
+    traced params differ) as one compiled, vmapped device loop; returns each member's result, as
+    `run_device` would (tested field for field). Members keep a plain float32 clock (a
+    microsecond up to 8 s). Compilation counts as every member's warm-up, the loop's wall time
+    as every member's. The device keeps a record buffer of SWEEP_BYTES for all members; the
+    host drains it whenever a member fills its share."""
+    m, b = len(states), states[0].num_slots
+    size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+    pstack = jax.tree.map(lambda *xs: np.stack(xs), *params)
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    run = jax.jit(partial(sweep_loop, policy, params, backend=backend, max_passes=max_passes))
-    run = run.lower(stacked).compile()
+    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
+    carry = start(stacked)
+    run = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=1)
+    run = run.lower(pstack, carry).compile()
     warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
-    final, passes, rec = jax.device_get(jax.block_until_ready(run(stacked)))
+    drained: list[list[dict]] = [[] for _ in range(m)]
+    total = np.zeros(m, np.int64)
+    while True:
+        carry = run(pstack, carry)
+        rec, passes = jax.device_get((carry[5], carry[2]))
+        for i, p in enumerate(passes):
+            drained[i].append({k: v[i, :p] for k, v in rec.items()})
+        total += passes
+        done = np.asarray(carry[4])
+        if done.all() or (total >= max_passes).any():
+            break
+        carry = (*carry[:2], jnp.zeros(m, jnp.int32), *carry[3:])
     wall_s = time.perf_counter() - t0
+    final = jax.device_get(carry[0])
     counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
               cache_hits() - hits0, wall_s)  # fmt: skip
     results = []
-    for i, p in enumerate(passes):
+    for i in range(m):
         member = jax.tree.map(lambda x, i=i: x[i], final)
         if ((member.status != FINISHED) & (member.status != REJECTED)).any():
             raise RuntimeError(f"sweep member {i} did not end within max_passes={max_passes}")
-        cols = {k: v[i, :p] for k, v in rec.items()}
+        cols = {k: np.concatenate([d[k] for d in drained[i]]) for k in drained[i][0]}
         results.append(_result(cols, member, backend, None, counts))
     return results

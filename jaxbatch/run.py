@@ -232,12 +232,12 @@ def sweep_key(cfg: Config) -> str | None:
 
 
 def simulate_sweep(cfgs: list[Config], workloads: list[Workload]) -> list[RunResult]:
-    """Validated configs of one `sweep_key`, each with its workload, as one `sweep_loop` program;
-    each result equals its `simulate` (tested field for field)."""
+    """Validated configs of one `sweep_key`, each with its workload, as one program
+    (`device_loop.run_sweep`); each result equals its `simulate` (tested field for field)."""
     keys = {sweep_key(c) for c in cfgs}
     if len(keys) != 1 or None in keys or len({len(w) for w in workloads}) != 1:
         raise ValueError("simulate_sweep: runs of one sweep_key, with workloads of one length")
     members = [_prepare(c, w) for c, w in zip(cfgs, workloads)]
-    policy, params, _, backend, memory, _, _ = members[0]
+    policy, _, _, backend, memory, _, _ = members[0]
     passes = max(_max_passes(m[6], memory) for m in members)
-    return run_sweep(policy, params, [m[2] for m in members], backend, passes)
+    return run_sweep(policy, [m[1] for m in members], [m[2] for m in members], backend, passes)

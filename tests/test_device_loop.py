@@ -12,7 +12,7 @@ import pytest
 from jaxbatch import device_loop as loop_module
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
-from jaxbatch.device_loop import device_loop, sweep_loop
+from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.run import simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
@@ -23,6 +23,8 @@ H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory
 PROMPTS = [40, 7, 120, 33, 9, 64, 18, 90]
 BUDGETS = [12, 30, 5, 20, 8, 15, 25, 3]
 ARRIVALS = [0.0, 0.0, 1.5, 2.0, 2.0, 7.25, 9.0, 30.0]
+RECORD_FIELDS = ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "kv_tokens",
+                 "kv_reserved", "rows", "row_tokens", "context")  # fmt: skip
 
 
 def _both(cfg, w):
@@ -46,8 +48,7 @@ def test_device_loop_plans_equal_host_loop_plans(policy, clock):
     host, device = _both(cfg, make_workload(PROMPTS, BUDGETS, arrival=arrivals))
     h, d = host.record, device.record
     assert d.num_passes == h.num_passes > len(PROMPTS)
-    for field in ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "kv_tokens",
-                  "kv_reserved", "rows", "row_tokens", "context"):  # fmt: skip
+    for field in RECORD_FIELDS:
         np.testing.assert_array_equal(getattr(d, field), getattr(h, field), err_msg=field)
     np.testing.assert_allclose(d.start, h.start, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(d.duration, h.duration, rtol=1e-5)
@@ -65,8 +66,10 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
     np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
 
 
-def test_vmapped_members_equal_the_same_runs_one_by_one():
-    """Three arrival processes (a rate sweep) as one program (`sweep_loop`), field for field."""
+@pytest.mark.parametrize("sweep_bytes", [1 << 28, 1])  # one segment; drained every 16 passes
+def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes):
+    """Three arrival processes (a rate sweep) as one program (`run_sweep`), field for field."""
+    monkeypatch.setattr(loop_module, "SWEEP_BYTES", sweep_bytes)
     policy, params = make_policy("continuous"), PolicyParams()
     n = len(PROMPTS)
 
@@ -74,19 +77,19 @@ def test_vmapped_members_equal_the_same_runs_one_by_one():
         arrival = np.array(ARRIVALS) * scale
         return init_state(arrival, np.array(PROMPTS), np.array(BUDGETS), np.zeros(n, bool), 3)
 
-    scales = (0.1, 1.0, 4.0)
-    states = [state(s) for s in scales]
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+    states = [state(s) for s in (0.1, 1.0, 4.0)]
     sim = Simulator(3, 256)  # the passes clock
-    run = jax.jit(lambda st: device_loop(policy, params, st, sim, 512))
-    together = jax.jit(lambda sts: sweep_loop(policy, params, sts, sim, 512))(stacked)
-    for i, st in enumerate(states):
-        alone = run(st)
-        member = jax.tree.map(lambda x, i=i: x[i], together)
-        for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(member)):
+    together = run_sweep(policy, [params] * 3, states, sim, 512)
+    assert max(r.record.num_passes for r in together) > 2 * 16
+    for st, member in zip(states, together, strict=True):
+        alone = run_device(policy, params, st, sim, 512)
+        for a, b in zip(jax.tree.leaves(alone.final), jax.tree.leaves(member.final)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    passes = [int(p) for p in together[1]]
-    assert len(set(passes)) > 1  # the members really are different runs
+        for field in RECORD_FIELDS + ("start", "duration"):
+            np.testing.assert_array_equal(
+                getattr(alone.record, field), getattr(member.record, field), err_msg=field
+            )
+    assert len({r.record.num_passes for r in together}) == 3  # really different runs
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.engine import run
-from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import FINISHED, PREFILL, init_state
+from jaxbatch.sched.policies import PolicyParams, make_policy, queue_head
+from jaxbatch.sched.state import FINISHED, PREEMPTED, PREFILL, RUNNING, WAITING, init_state
 
 N = 12  # fixed, so the jitted policies compile once per slot count
 
@@ -223,3 +223,27 @@ def test_shortest_prompt_first_starves_a_long_prompt_that_fcfs_serves():
     spf = _admission_order("continuous", prompt, budget, arrival, priority, "spf", slots=1)
     assert np.argsort(fcfs, kind="stable")[1] == 1  # admitted second
     assert spf[1] == spf.max()  # admitted last, after every short prompt
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 40), st.integers(1, 6), st.sampled_from(["fcfs", "spf", "priority"]),
+    st.randoms(use_true_random=False),
+)  # fmt: skip
+def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd):
+    """The queue's static rank plus a top-k equals sorting (queued first, preempted at the head;
+    then the queue's key, arrival, id), the rule it replaced, ties in arrival and key included."""
+    rng = np.random.default_rng(rnd.randrange(2**32))
+    arrival = rng.integers(0, 4, n).astype(float)  # many ties
+    prompt, priority = rng.integers(1, 4, n), rng.integers(0, 3, n)
+    state = init_state(arrival, prompt, np.ones(n, int), np.zeros(n, bool), slots,
+                       priority=priority)  # fmt: skip
+    status = rng.choice([WAITING, RUNNING, PREEMPTED, FINISHED], n)
+    state = state.replace(status=jnp.asarray(status, jnp.int32), now=jnp.float32(2.0))
+    queued = ((status == WAITING) | (status == PREEMPTED)) & (arrival <= 2.0)
+    head = np.where(queued, np.where(status == PREEMPTED, 0, 1), 2)
+    key = {"fcfs": np.zeros(n), "spf": prompt, "priority": -priority}[queue]
+    want = np.lexsort((np.arange(n), arrival, key, head))[:slots]
+    got = np.asarray(jax.jit(queue_head, static_argnums=1)(state, queue))
+    np.testing.assert_array_equal(got[: min(n, slots)], want)
+    assert (got[n:] == 0).all()

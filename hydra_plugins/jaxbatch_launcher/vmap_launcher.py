@@ -3,7 +3,7 @@
 `jaxbatch -m hydra/launcher=vmap engine.backend=simulator engine.loop=device workload.rate=5,10,20`
 composes every job as Hydra's basic launcher does. Jobs that `jaxbatch.run.sweep_key` says can
 share one program (simulated on the device loop, differing only in their workloads, with as many
-requests) run together first, as one `sweep_loop` (`run.simulate_sweep`); then every job runs
+requests) run together first, as one vmapped device loop (`run.simulate_sweep`); then every job runs
 through jaxbatch's `main` as usual, in order, which writes its directory from the result already
 computed (`cli.DONE`) instead of running again. So the sweep directory, each job's files and
 summary.csv are a basic multirun's. Any other job (the runner, the host loop, a lone member, a

@@ -17,10 +17,11 @@ from jaxbatch.sched.state import DECODE, MIXED, Plan
 
 def pow2_at_least(n, lo: int, hi: int, xp=np):
     """The smallest power of two >= max(n, lo), capped at hi. One rule for numpy and jnp (`xp`),
-    on scalars (an int with numpy) or arrays: the powers of two up to hi's, searched, then raised
-    to lo and capped."""
+    on scalars (an int with numpy) or arrays: the powers of two up to hi's, counted below n,
+    then raised to lo and capped."""
     pows, buckets = _ladder(int(lo), int(hi))
-    at = xp.minimum(xp.searchsorted(xp.asarray(pows), n, side="left"), len(pows) - 1)
+    below = xp.asarray(pows) < xp.asarray(n)[..., None]  # a searchsorted (left) by counting:
+    at = xp.minimum(below.sum(-1), len(pows) - 1)  # jnp's default searchsorted is a loop
     out = xp.asarray(buckets)[at]
     return int(out) if xp is np and out.ndim == 0 else out
 

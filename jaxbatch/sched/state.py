@@ -20,6 +20,10 @@ WAITING, RUNNING, PREEMPTED, FINISHED, REJECTED = 0, 1, 2, 3, 4
 INTERRUPTED = 5
 STATUS_NAMES = ("waiting", "running", "preempted", "finished", "rejected", "interrupted")
 
+# Queue orders: a queue's static key (the one it sorts by before arrival and id); `rank` in
+# SchedState holds each request's place in each, one row per order.
+QUEUE_ORDERS = ("fcfs", "spf", "priority")
+
 # Pass kind.
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
 KIND_NAMES = ("idle", "prefill", "decode", "mixed")
@@ -37,6 +41,7 @@ class SchedState:
     slot: Array  # [N] i32 the slot held, -1 none
     num_preemptions: Array  # [N] i32
     admit_order: Array  # [N] i32 rank of the latest admission (step x B + place in that step)
+    rank: Array  # [len(QUEUE_ORDERS), N] i32 place in each queue order (`queue_ranks`), static
     reserved: Array  # [N] i32 KV positions reserved (contiguous memory), 0 when not held
     slot_req: Array  # [B] i32 the request held, -1 idle
     block_table: Array  # [B, max_blocks] i32 block ids in order, -1 empty (paged memory)
@@ -72,6 +77,7 @@ def init_state(
     memory: MemorySpec | None = None,
 ) -> SchedState:
     n = len(arrival)
+    priority = np.zeros(n, np.int64) if priority is None else np.asarray(priority)
     zeros = jnp.zeros(n, jnp.int32)
     max_blocks = memory.max_blocks if memory else 0
     num_blocks = memory.num_blocks if memory else 0
@@ -79,13 +85,14 @@ def init_state(
         arrival=jnp.asarray(arrival, jnp.float32),
         prompt_len=jnp.asarray(prompt_len, jnp.int32),
         max_new=jnp.asarray(max_new, jnp.int32),
-        priority=jnp.asarray(np.zeros(n) if priority is None else priority, jnp.int32),
+        priority=jnp.asarray(priority, jnp.int32),
         status=jnp.where(jnp.asarray(rejected, bool), REJECTED, WAITING).astype(jnp.int32),
         num_computed=zeros,
         num_generated=zeros,
         slot=jnp.full(n, -1, jnp.int32),
         num_preemptions=zeros,
         admit_order=zeros,
+        rank=jnp.asarray(queue_ranks(np.asarray(arrival, np.float32), prompt_len, priority)),
         reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
         block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
@@ -94,3 +101,17 @@ def init_state(
         step=jnp.int32(0),
         memory=memory,
     )
+
+
+def queue_ranks(arrival: np.ndarray, prompt_len: np.ndarray, priority: np.ndarray) -> np.ndarray:
+    """[len(QUEUE_ORDERS), N] each request's place in each queue order, ties broken by arrival,
+    then by id: fcfs by arrival; spf by prompt length; priority by the largest priority. None of
+    these keys changes during a run, so a pass ranks its queue by one integer (`queue_head`)
+    instead of sorting three keys."""
+    n = len(arrival)
+    ids = np.arange(n)
+    keys = {"fcfs": np.zeros(n), "spf": np.asarray(prompt_len), "priority": -np.asarray(priority)}
+    ranks = np.empty((len(QUEUE_ORDERS), n), np.int32)
+    for i, queue in enumerate(QUEUE_ORDERS):
+        ranks[i, np.lexsort((ids, arrival, keys[queue]))] = ids
+    return ranks
