@@ -73,5 +73,6 @@ def main() -> None:
           f"{vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
           f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x")  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
