@@ -63,7 +63,7 @@ def main() -> None:
 
     states = [state(s) for s in scales]
     alone = [run_device(policy, params, st, backend, fed) for st in states]
-    together = run_sweep(policy, [params] * args.members, states, backend, fed)
+    together = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed)
     passes = sum(r.record.num_passes for r in alone)
     assert passes == sum(r.record.num_passes for r in together)
     sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s

@@ -124,20 +124,21 @@ def device_loop(
     """A simulated run as a pure function of (params, state): returns the final state, the
     passes run and the record's arrays (max_passes of them: for long runs, `run_device`
     keeps a bounded buffer). Jittable; for many runs at once see `run_sweep`."""
-    step = partial(_step, policy, params, backend, (), max_passes, False, None)
+    step = partial(_step, policy, params, backend, backend.consts(), max_passes, False, None)
     st, _, p, _, _, rec, _ = jax.lax.while_loop(
         partial(_live, max_passes), step, _start(state, (), max_passes)
     )
     return st, p, rec
 
 
-def sweep_segment(policy: Policy, backend: Simulator, size: int, params: PolicyParams, carry):
-    """One segment of a sweep: every member (carries and params stacked on a leading axis) steps,
-    vmapped, until each has ended or filled its `size` passes of record; the host then drains
-    the records (`run_sweep`). A member halted (ended, or full) is left as it is."""
-    step = jax.vmap(lambda pp, c: _step(policy, pp, backend, (), size, False, None, c))
+def sweep_segment(policy: Policy, backend: Simulator, size: int, params: PolicyParams, consts,
+                  carry):  # fmt: skip
+    """One segment of a sweep: every member (carries, params and backend consts stacked on a
+    leading axis) steps, vmapped, until each has ended or filled its `size` passes of record;
+    the host then drains the records (`run_sweep`). A halted member (ended, or full) stays."""
+    step = jax.vmap(lambda pp, k, c: _step(policy, pp, backend, k, size, False, None, c))
     live = lambda c: jax.vmap(partial(_live, size))(c).any()  # noqa: E731
-    return jax.lax.while_loop(live, lambda c: step(params, c), carry)
+    return jax.lax.while_loop(live, lambda c: step(params, consts, c), carry)
 
 
 def run_device(
@@ -277,12 +278,12 @@ SWEEP_BYTES = 1 << 28  # record a sweep keeps on the device between drains, all 
 
 
 def run_sweep(
-    policy: Policy, params: list[PolicyParams], states: list[SchedState], backend: Simulator,
-    max_passes: int,
+    policy: Policy, params: list[PolicyParams], states: list[SchedState],
+    backends: list[Simulator], max_passes: int,
 ) -> list[RunResult]:  # fmt: skip
-    """Simulated runs of one program (the same policy, backend and shapes; their workloads and
-    traced params differ) as one compiled, vmapped device loop; returns each member's result, as
-    `run_device` would (tested field for field). Members keep a plain float32 clock (a
+    """Simulated runs of one program (the same policy, shapes and static backend; their
+    workloads, traced params and backend consts differ) as one compiled, vmapped device loop;
+    returns each member's result, as `run_device` would (tested field for field). Members keep a plain float32 clock (a
     microsecond up to 8 s). Compilation counts as every member's warm-up, the loop's wall time
     as every member's. The device keeps a record buffer of SWEEP_BYTES for all members; the
     host drains it whenever a member fills its share."""
@@ -290,16 +291,18 @@ def run_sweep(
     size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
     pstack = jax.tree.map(lambda *xs: np.stack(xs), *params)
+    consts = jax.tree.map(lambda *xs: np.stack(xs), *[b.consts() for b in backends])
+    backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
     carry = start(stacked)
-    run = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=1)
-    run = run.lower(pstack, carry).compile()
+    run = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
+    run = run.lower(pstack, consts, carry).compile()
     warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
     drained: list[list[dict]] = [[] for _ in range(m)]
     total = np.zeros(m, np.int64)
     while True:
-        carry = run(pstack, carry)
+        carry = run(pstack, consts, carry)
         rec, passes = jax.device_get((carry[5], carry[2]))
         for i, p in enumerate(passes):
             drained[i].append({k: v[i, :p] for k, v in rec.items()})

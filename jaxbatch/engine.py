@@ -75,7 +75,7 @@ def kv_reserved(state: SchedState) -> Array:
     if mem is None:
         return jnp.int32(0)
     if mem.paged:
-        return (~state.block_free).sum() * mem.block_size
+        return (state.block_table >= 0).sum() * mem.block_size
     return state.reserved.sum()
 
 

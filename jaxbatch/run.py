@@ -157,17 +157,6 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
     )  # fmt: skip
 
 
-def policy_options(cfg: Config) -> dict:
-    """The static options of the token-budget policies (none for static and continuous)."""
-    p = cfg.policy
-    if p.name not in BUDGETED:
-        return {}
-    return {
-        "token_budget": p.token_budget, "threshold": p.long_prefill_threshold,
-        "max_prefills": p.max_partial_prefills,
-    }  # fmt: skip
-
-
 def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     """Everything a run needs: (policy, params, state, backend, memory, shapes, fed), where
     `shapes` is what the host loop warms up and `fed` the tokens the run's passes feed at most."""
@@ -186,11 +175,14 @@ def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
         workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged
     )
     watermark = watermark_blocks(cfg, memory)
+    p = cfg.policy
     params = PolicyParams(
-        max_wait_s=np.float32(cfg.policy.max_wait_s), eos_id=np.int32(e.eos_id),
-        watermark_blocks=np.int32(watermark),
+        max_wait_s=np.float32(p.max_wait_s), eos_id=np.int32(e.eos_id),
+        watermark_blocks=np.int32(watermark), token_budget=np.int32(p.token_budget),
+        threshold=np.int32(p.long_prefill_threshold),
+        max_prefills=np.int32(p.max_partial_prefills),
     )  # fmt: skip
-    policy = make_policy(cfg.policy.name, cfg.policy.queue, **policy_options(cfg))
+    policy = make_policy(p.name, p.queue)
     fed = int((workload.prompt_len + workload.max_new)[ok].sum())
     return policy, params, state, backend, memory, shapes if e.warmup else [], fed
 
@@ -223,12 +215,21 @@ def simulate(
 
 def sweep_key(cfg: Config) -> str | None:
     """Runs with the same key can be simulated as one program (`simulate_sweep`): simulated on the
-    device loop, with everything but their workloads (seed, arrival process and rate, lengths,
-    trace scaling: same request count) and output options equal. None: the run cannot join."""
-    e = cfg.engine
+    device loop, with everything equal but their workloads (seed, arrival process and rate,
+    lengths, trace scaling: same request count), output options, the policy's traced knobs
+    (PolicyParams: token budget, long-prefill threshold, partial prefills, max_wait_s, eos_id,
+    watermark) and, with paged memory, the budget (a pool sized for the largest, each member's
+    usable blocks in its state). None: the run cannot join."""
+    e, p, m = cfg.engine, cfg.policy, cfg.memory
     if e.backend != "simulator" or e.loop != "device":
         return None
-    return repr(dataclasses.replace(cfg, workload=None, output=None))
+    knobs = dict(token_budget=0, long_prefill_threshold=0, max_partial_prefills=0, max_wait_s=0.0)
+    budget = dict(budget_tokens=0, budget_mib=0.0) if m.layout == "paged" else {}
+    return repr(dataclasses.replace(
+        cfg, workload=None, output=None, policy=dataclasses.replace(p, **knobs),
+        engine=dataclasses.replace(e, eos_id=0),
+        memory=dataclasses.replace(m, watermark=0.0, **budget),
+    ))  # fmt: skip
 
 
 def simulate_sweep(cfgs: list[Config], workloads: list[Workload]) -> list[RunResult]:
@@ -238,6 +239,12 @@ def simulate_sweep(cfgs: list[Config], workloads: list[Workload]) -> list[RunRes
     if len(keys) != 1 or None in keys or len({len(w) for w in workloads}) != 1:
         raise ValueError("simulate_sweep: runs of one sweep_key, with workloads of one length")
     members = [_prepare(c, w) for c, w in zip(cfgs, workloads)]
-    policy, _, _, backend, memory, _, _ = members[0]
-    passes = max(_max_passes(m[6], memory) for m in members)
-    return run_sweep(policy, [m[1] for m in members], [m[2] for m in members], backend, passes)
+    policy, params, states, backends, memories, _, fed = zip(*members)
+    pool = max(memories, key=lambda mem: mem.budget_tokens)  # equal, unless paged
+    if pool.paged:  # every member on the largest pool, its own blocks usable
+        states = [
+            st.replace(memory=pool, block_free=np.arange(pool.num_blocks) < mem.num_blocks)
+            for st, mem in zip(states, memories)
+        ]  # fmt: skip
+    passes = max(_max_passes(f, pool) for f in fed)
+    return run_sweep(policy[0], list(params), list(states), list(backends), passes)

@@ -16,10 +16,11 @@ from tests.conftest import make_config, make_workload
 from tests.test_scheduler import N, admission_pass, workloads
 
 
-def _sim(policy, arrival, prompt, budget, slots, **options):
+def _sim(policy, arrival, prompt, budget, slots, **knobs):
     state = init_state(arrival, prompt, budget, np.zeros(len(prompt), bool), slots)
     sim = Simulator(slots, 1024)
-    return run(make_policy(policy, **options), PolicyParams(), state, sim, [], clock="passes")
+    params = PolicyParams(**{k: np.int32(v) for k, v in knobs.items()})
+    return run(make_policy(policy), params, state, sim, [], clock="passes")
 
 
 def test_vllm_chunked_prefill_scenario():
@@ -98,6 +99,6 @@ def test_a_policy_that_strands_requests_fails_loudly():
     # request queued behind it.
     state = init_state(np.zeros(2), np.array([100, 5]), np.full(2, 3), np.zeros(2, bool), 2)
     sim = Simulator(2, 1024)
-    policy = make_policy("orca", token_budget=64)
+    policy, params = make_policy("orca"), PolicyParams(token_budget=np.int32(64))
     with pytest.raises(RuntimeError, match=r"orca: the run ended with 2 requests neither"):
-        run(policy, PolicyParams(), state, sim, [], clock="passes")
+        run(policy, params, state, sim, [], clock="passes")

@@ -13,7 +13,7 @@ from jaxbatch import device_loop as loop_module
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
 from jaxbatch.device_loop import run_device, run_sweep
-from jaxbatch.run import simulate
+from jaxbatch.run import simulate, simulate_sweep, sweep_key
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
 from tests.conftest import make_config, make_workload
@@ -79,7 +79,7 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes
 
     states = [state(s) for s in (0.1, 1.0, 4.0)]
     sim = Simulator(3, 256)  # the passes clock
-    together = run_sweep(policy, [params] * 3, states, sim, 512)
+    together = run_sweep(policy, [params] * 3, states, [sim] * 3, 512)
     assert max(r.record.num_passes for r in together) > 2 * 16
     for st, member in zip(states, together, strict=True):
         alone = run_device(policy, params, st, sim, 512)
@@ -103,3 +103,40 @@ def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
     assert whole.record.num_passes > 3 * 7
     for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_reserved"):
         np.testing.assert_array_equal(getattr(drained.record, field), getattr(whole.record, field))
+
+
+def test_a_sweep_over_traced_knobs_and_paged_budgets_equals_its_runs_one_by_one():
+    """Token budget (three row buckets), long-prefill threshold, paged memory budget (a pool
+    sized for the largest, under preemption) and watermark vary across the members of one
+    program; each member equals its own run, field for field, on the priced clock."""
+    base = make_config("chunked", num_slots=3, backend="simulator", clock="priced",
+                       warmup=False)  # fmt: skip
+    base.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
+                                     n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    base.hardware = dataclasses.replace(H100, padded=True)  # prices the row buckets
+    base = dataclasses.replace(base, engine=dataclasses.replace(base.engine, loop="device"))
+    knobs = [(32, 0, 128, 0.0), (64, 16, 160, 0.0), (128, 8, 224, 0.05), (48, 0, 144, 0.1)]
+    cfgs = []
+    for budget, threshold, blocks_tokens, watermark in knobs:
+        cfg = dataclasses.replace(base, policy=dataclasses.replace(base.policy))
+        cfg.policy.token_budget, cfg.policy.long_prefill_threshold = budget, threshold
+        cfg.memory = MemoryConfig(layout="paged", budget_tokens=blocks_tokens, block_size=16,
+                                  watermark=watermark)  # fmt: skip
+        cfgs.append(cfg)
+    assert len({sweep_key(c) for c in cfgs}) == 1
+    w = make_workload([40, 35, 50, 20, 9, 64], [30, 30, 25, 30, 12, 8],
+                      arrival=[0.0, 0.0, 0.0, 0.0, 0.02, 0.05])  # fmt: skip
+    together = simulate_sweep(cfgs, [w] * len(cfgs))
+    preempted = 0
+    for cfg, member in zip(cfgs, together, strict=True):
+        alone = simulate(cfg, w)
+        preempted += int(np.asarray(alone.final.num_preemptions).sum())
+        for field in RECORD_FIELDS:
+            np.testing.assert_array_equal(
+                getattr(member.record, field), getattr(alone.record, field), err_msg=field
+            )
+        np.testing.assert_allclose(member.record.start, alone.record.start, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(member.record.duration, alone.record.duration)
+        np.testing.assert_array_equal(member.final.status, alone.final.status)
+    assert preempted > 0
+    assert len({r.record.num_passes for r in together}) == len(cfgs)

@@ -96,20 +96,23 @@ class Buckets:
         tiles = max(1, rows // QUERY_TILE) + (self.num_slots if any_plan else 0)
         return PassShape(rows, 1, context, flat=True, tiles=tiles)
 
-    def shape_fields(self, plan: Plan, xp=np):
+    def shape_fields(self, plan: Plan, xp=np, mixed_rows=None):
         """A pass's bucketed shape as (rows, tokens per row, context, any_plan), by one rule for
         host (numpy) and device (jnp) plans alike: `shape_of` makes the host loop's PassShape of
         it; the device loops record it. Decode: every slot, one token, its context bucket.
         Mixed: one row per token, padded to a power of two, or beyond where its prompt chunks
         need more query tiles (many short chunks in one pass); at the token budget's bucket, the
         shape with tiles for any plan (`any_plan`). Prefill: the count and length buckets of its
-        prompts; prompts that all start at position 0 read no cached context."""
+        prompts; prompts that all start at position 0 read no cached context. `mixed_rows`
+        (traced, as the simulator's sweeps vary the token budget) stands for the field."""
         active = plan.num_tokens > 0
         max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0))
         max_start = xp.max(xp.where(active, plan.start_pos, 0))
         tiles = xp.sum(-(-xp.maximum(plan.num_tokens - 1, 0) // QUERY_TILE))
         at_least = xp.maximum(xp.sum(plan.num_tokens), xp.where(tiles > 1, tiles * QUERY_TILE, 0))
-        mixed_rows = pow2_at_least(at_least, self.min_len, self.mixed_rows or 1 << 30, xp)
+        cap = self.mixed_rows if mixed_rows is None else mixed_rows
+        cap = xp.where(cap > 0, cap, 1 << 30)  # the ladder capped at cap (>= min_len, a bucket)
+        mixed_rows = xp.minimum(pow2_at_least(at_least, self.min_len, 1 << 30, xp), cap)
         decode, mixed = plan.kind == DECODE, plan.kind == MIXED
         count = self.count(xp.sum(active), xp)
         rows = xp.where(decode, self.num_slots, xp.where(mixed, mixed_rows, count))

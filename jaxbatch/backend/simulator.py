@@ -36,19 +36,24 @@ class Simulator:
         if priced is not None:
             hw, tp = priced
 
-            def priced(num_tokens, start_pos, kind) -> Array:  # jnp: the price of a plan's pass
+            def priced(
+                num_tokens, start_pos, kind, mixed_rows=None
+            ) -> Array:  # jnp: a pass's price
                 plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
-                rows, tokens, _, _ = self.buckets.shape_fields(plan, jnp)
+                rows, tokens, _, _ = self.buckets.shape_fields(plan, jnp, mixed_rows)
                 fed = num_tokens > 0
                 return price(spec, hw, num_tokens, start_pos, fed, tp, rows * tokens)
 
             self._price = jax.jit(priced)
-            self.price_plan = lambda plan: priced(plan.num_tokens, plan.start_pos, plan.kind)
+            self.price_plan = lambda plan, rows: priced(plan.num_tokens, plan.start_pos,
+                                                        plan.kind, rows)  # fmt: skip
 
     num_branches = 0  # the device loop's warm-up: nothing to run once
 
     def consts(self) -> tuple:
-        return ()
+        """The device step's constants: the mixed passes' top row bucket (the token budget's),
+        an array, so that members of a sweep over token budgets share one program."""
+        return (np.int32(self.buckets.mixed_rows),)
 
     def carry(self) -> tuple:
         return ()
@@ -60,8 +65,9 @@ class Simulator:
         """The device loop's pass (jnp, pure): every slot's token (0), the pass's duration (its
         price on the target hardware, or one pass on the `passes` clock) and its shape by the
         host loop's rule. Has no device state, so `skip` and `warm_branch` change nothing."""
-        cost = jnp.float32(1.0) if self.price_plan is None else self.price_plan(plan)
-        rows, tokens, context, _ = self.buckets.shape_fields(plan, jnp)
+        (mixed_rows,) = consts
+        cost = jnp.float32(1.0) if self.price_plan is None else self.price_plan(plan, mixed_rows)
+        rows, tokens, context, _ = self.buckets.shape_fields(plan, jnp, mixed_rows)
         zeros = jnp.zeros(plan.num_tokens.shape, jnp.int32)
         return carry, zeros, cost.astype(jnp.float32), (rows, tokens, context)
 

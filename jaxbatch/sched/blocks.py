@@ -78,7 +78,9 @@ def allocate(block_table: Array, block_free: Array, target_blocks: Array):
     have = (block_table >= 0).sum(axis=1)
     grow = jnp.maximum(target_blocks - have, 0)
     offset = jnp.cumsum(grow) - grow  # where each slot's new blocks start in the free list
-    free_ids = jnp.argsort(~block_free, stable=True)  # free block ids first, ascending
+    n = block_free.shape[0]
+    at = jnp.where(block_free, jnp.cumsum(block_free) - 1, n)  # free ids first, ascending
+    free_ids = jnp.zeros(n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     j = jnp.arange(m)[None, :]
     new = (j >= have[:, None]) & (j < (have + grow)[:, None])
     pick = free_ids.at[offset[:, None] + j - have[:, None]].get(mode="clip")

@@ -42,6 +42,11 @@ class PolicyParams:
     max_wait_s: Array = struct.field(default_factory=lambda: jnp.float32(0.0))
     eos_id: Array = struct.field(default_factory=lambda: jnp.int32(-1))  # -1: ignore EOS
     watermark_blocks: Array = struct.field(default_factory=lambda: jnp.int32(0))  # kept free
+    # orca and chunked: tokens a pass may feed; chunked: a prompt chunk's cap (0: none) and the
+    # most prompts fed in one pass (0: any number).
+    token_budget: Array = struct.field(default_factory=lambda: jnp.int32(512))
+    threshold: Array = struct.field(default_factory=lambda: jnp.int32(0))
+    max_prefills: Array = struct.field(default_factory=lambda: jnp.int32(0))
 
 
 class Policy(NamedTuple):
@@ -255,20 +260,16 @@ def continuous_schedule(
 
 
 def plan_budgeted(
-    state: SchedState,
-    wait_until: Array,
-    budget: int,
-    threshold: int,
-    max_prefills: int,
-    whole_prompts: bool,
+    state: SchedState, wait_until: Array, params: PolicyParams, whole_prompts: bool
 ) -> Plan:
     """Decodes first, then prompt tokens under a per-pass token budget (selective batching).
 
-    Every running request whose prompt is cached decodes one token. What is left of `budget` goes
-    to prompts (and recomputations) in admission order: `whole_prompts` (Orca) takes a prompt only
-    if all of it fits, stopping at the first that does not; otherwise (Sarathi-Serve chunked
-    prefill) each prompt takes a chunk of at most `threshold` tokens (0: no cap), and at most
-    `max_prefills` prompts (0: any number) are fed in one pass.
+    Every running request whose prompt is cached decodes one token. What is left of
+    `params.token_budget` goes to prompts (and recomputations) in admission order:
+    `whole_prompts` (Orca) takes a prompt only if all of it fits, stopping at the first that does
+    not; otherwise (Sarathi-Serve chunked prefill) each prompt takes a chunk of at most
+    `params.threshold` tokens (0: no cap), and at most `params.max_prefills` prompts (0: any
+    number) are fed in one pass. All three are traced: a sweep over them is one program.
     """  # fmt: skip
     req = state.slot_req
     r = jnp.maximum(req, 0)
@@ -276,14 +277,15 @@ def plan_budgeted(
     todo = state.prompt_len[r] + state.num_generated[r] - state.num_computed[r]
     prefilling = running & (state.num_computed[r] < state.prompt_len[r])
     decoding = running & ~prefilling
-    left = budget - decoding.sum()
+    left = params.token_budget - decoding.sum()
     order = jnp.argsort(jnp.where(prefilling, state.admit_order[r], 2**30), stable=True)
     want = todo[order]
-    if not whole_prompts and threshold:
-        want = jnp.minimum(want, threshold)
+    if not whole_prompts:
+        cap = params.threshold
+        want = jnp.where(cap > 0, jnp.minimum(want, cap), want)
     want = jnp.where(prefilling[order], want, 0)
-    if max_prefills:
-        want = jnp.where(jnp.arange(want.shape[0]) < max_prefills, want, 0)
+    most = params.max_prefills
+    want = jnp.where((most == 0) | (jnp.arange(want.shape[0]) < most), want, 0)
     before = jnp.cumsum(want) - want
     if whole_prompts:
         fits = jnp.cumsum(want) <= left
@@ -307,21 +309,13 @@ def plan_budgeted(
 
 
 def budgeted_schedule(
-    state: SchedState,
-    params: PolicyParams,
-    queue: str = "fcfs",
-    token_budget: int = 512,
-    threshold: int = 0,
-    max_prefills: int = 0,
-    whole_prompts: bool = False,
+    state: SchedState, params: PolicyParams, queue: str = "fcfs", whole_prompts: bool = False
 ) -> tuple[SchedState, Plan]:
     """Iteration-level batching with mixed passes under a token budget (orca and chunked)."""
     occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
     state = release(state, (state.slot_req >= 0) & occupant_done)
     state = admit(state, state.num_slots, params, queue)
-    plan = plan_budgeted(
-        state, _next_arrival(state), token_budget, threshold, max_prefills, whole_prompts
-    )
+    plan = plan_budgeted(state, _next_arrival(state), params, whole_prompts)
     return grow_blocks(state, plan)
 
 
@@ -355,10 +349,7 @@ BUDGETED = ("orca", "chunked")
 
 
 @cache
-def make_policy(name: str, queue: str = "fcfs", **options) -> Policy:
-    """The policy `name` admitting in `queue` order, with static options (token_budget,
-    threshold, max_prefills for orca and chunked). One object per set of arguments, so jit caches
-    hold across runs."""
-    return Policy(
-        name=name, schedule=partial(POLICIES[name], queue=queue, **options), commit=commit
-    )
+def make_policy(name: str, queue: str = "fcfs") -> Policy:
+    """The policy `name` admitting in `queue` order (its knobs are PolicyParams, traced). One
+    object per set of arguments, so jit caches hold across runs."""
+    return Policy(name=name, schedule=partial(POLICIES[name], queue=queue), commit=commit)

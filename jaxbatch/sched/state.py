@@ -75,7 +75,11 @@ def init_state(
     num_slots: int,
     priority: np.ndarray | None = None,
     memory: MemorySpec | None = None,
+    usable_blocks: int | None = None,
 ) -> SchedState:
+    """The state before a run's first pass. `usable_blocks` (paged memory; default all): the
+    blocks of the pool that may be granted, the rest never free; so runs of different memory
+    budgets share one pool's shapes, as the members of a sweep must."""
     n = len(arrival)
     priority = np.zeros(n, np.int64) if priority is None else np.asarray(priority)
     zeros = jnp.zeros(n, jnp.int32)
@@ -96,7 +100,8 @@ def init_state(
         reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
         block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
-        block_free=jnp.ones(num_blocks, bool),
+        block_free=jnp.arange(num_blocks)
+        < (num_blocks if usable_blocks is None else usable_blocks),
         now=jnp.float32(0.0),
         step=jnp.int32(0),
         memory=memory,
