@@ -285,8 +285,8 @@ def run_sweep(
     workloads, traced params and backend consts differ) as one compiled, vmapped device loop;
     returns each member's result, as `run_device` would (tested field for field). Members keep
     a plain float32 clock (a microsecond up to 8 s). Compilation counts as every member's
-    warm-up, the loop's wall time as every member's. The device keeps a record buffer of SWEEP_BYTES for all members; the
-    host drains it whenever a member fills its share."""
+    warm-up, the loop's wall time as every member's. The device keeps a record buffer of
+    SWEEP_BYTES for all members; the host drains it whenever a member fills its share."""
     m, b = len(states), states[0].num_slots
     size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)

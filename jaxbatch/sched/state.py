@@ -85,6 +85,7 @@ def init_state(
     zeros = jnp.zeros(n, jnp.int32)
     max_blocks = memory.max_blocks if memory else 0
     num_blocks = memory.num_blocks if memory else 0
+    usable = num_blocks if usable_blocks is None else usable_blocks
     return SchedState(
         arrival=jnp.asarray(arrival, jnp.float32),
         prompt_len=jnp.asarray(prompt_len, jnp.int32),
@@ -100,8 +101,7 @@ def init_state(
         reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
         block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
-        block_free=jnp.arange(num_blocks)
-        < (num_blocks if usable_blocks is None else usable_blocks),
+        block_free=jnp.arange(num_blocks) < usable,
         now=jnp.float32(0.0),
         step=jnp.int32(0),
         memory=memory,
