@@ -34,7 +34,7 @@ from jaxbatch.backend.simulator import Simulator
 from jaxbatch.clock import WINDOW, Clock
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.interrupt import never
-from jaxbatch.report.recorder import Record, emitted
+from jaxbatch.report.recorder import PASS_FIELDS, SLOT_FIELDS, from_columns, pass_row
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
 
@@ -50,11 +50,8 @@ def _start(state: SchedState, carry: tuple, max_passes: int):
     grid = jnp.full((max_passes, b), -1, jnp.int32)
     zeros = jnp.zeros(max_passes, jnp.float32)
     count = jnp.zeros(max_passes, jnp.int32)
-    rec = {
-        "req": grid, "num_tokens": grid * 0, "start_pos": grid * 0, "holder": grid,
-        "kind": count, "start": zeros, "start_lo": zeros, "duration": zeros, "kv": count,
-        "granted": count, "rows": count, "row_tokens": count, "context": count,
-    }  # fmt: skip
+    rec = {k: grid for k in SLOT_FIELDS} | {k: count for k in PASS_FIELDS}
+    rec |= {"start": zeros, "duration": zeros, "start_lo": zeros}
     now = jnp.zeros(2, jnp.float32)  # the clock as hi + lo (`_add`)
     return state, carry, jnp.int32(0), now, jnp.bool_(False), rec, jnp.float32(_INF)
 
@@ -96,11 +93,8 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
     # An idle plan feeds nothing, so its commit changes nothing: no select between whole states.
     st = policy.commit(st, plan, tokens, params)
     kv, granted = kv_live(st, holder), kv_reserved(st)
-    row = {"req": plan.req, "num_tokens": plan.num_tokens, "start_pos": plan.start_pos,
-           "holder": holder, "kind": plan.kind, "start": now0[0], "start_lo": now0[1],
-           "duration": cost, "kv": kv,
-           "granted": granted, "rows": rows, "row_tokens": row_tokens,
-           "context": context}  # fmt: skip
+    row = pass_row(now0[0], cost, plan, holder, (rows, row_tokens, context), kv, granted)
+    row["start_lo"] = now0[1]  # the clock's low part (`_add`)
     at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
     rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
     far = idle & jnp.isfinite(plan.wait_until) & (plan.wait_until > (window or _INF))
@@ -251,19 +245,11 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
     `unit`: seconds per pass for a loop timed as a whole (else the loop's own clock); `counts`:
     warm-up seconds, compilations, those after warm-up, cache hits, wall seconds."""
     p = len(cols["kind"])
-    start = cols["start"].astype(np.float64) + cols["start_lo"]  # the clock's hi + lo
-    duration = cols["duration"].astype(np.float64)
+    cols = dict(cols)
+    cols["start"] = cols["start"].astype(np.float64) + cols.pop("start_lo")  # the clock's hi + lo
     if unit is not None:
-        start, duration = np.arange(p) * unit, np.full(p, unit)
-    record = Record(
-        start=start, duration=duration, kind=cols["kind"], req=cols["req"],
-        num_tokens=cols["num_tokens"], start_pos=cols["start_pos"], holder=cols["holder"],
-        emits=emitted(cols["req"], cols["num_tokens"], cols["start_pos"],
-                      np.asarray(final.prompt_len)),
-        rows=cols["rows"].astype(np.int64), row_tokens=cols["row_tokens"].astype(np.int64),
-        context=cols["context"].astype(np.int64),
-        kv_tokens=cols["kv"].astype(np.int64), kv_reserved=cols["granted"].astype(np.int64),
-    )  # fmt: skip
+        cols["start"], cols["duration"] = np.arange(p) * unit, np.full(p, unit)
+    record = from_columns(cols, np.asarray(final.prompt_len), final.num_slots)
     warmup_s, compiles, compiles_after, hits, wall_s = counts
     end = float(record.start[-1] + record.duration[-1]) if p else 0.0
     return RunResult(

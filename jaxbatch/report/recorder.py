@@ -56,7 +56,44 @@ def emitted(req, num_tokens, start_pos, prompt_len: np.ndarray) -> np.ndarray:
     return (num_tokens > 0) & (ends >= prompt_len[np.maximum(req, 0)])
 
 
+SLOT_FIELDS = ("req", "num_tokens", "start_pos", "holder")  # [B] per pass
+PASS_FIELDS = ("start", "duration", "kind", "rows", "row_tokens", "context", "kv_tokens",
+               "kv_reserved")  # fmt: skip
+FIELDS = SLOT_FIELDS + PASS_FIELDS
+
+
+def pass_row(start, duration, plan: Plan, holder, shape, kv_tokens, kv_reserved) -> dict:
+    """One pass's row of the record, for both loops: numpy values in the host loop (`Recorder`),
+    jnp in the device loop, which writes it into its record arrays. `shape`: the (rows, tokens
+    per row, context) the pass ran at."""
+    rows, row_tokens, context = shape
+    return {
+        "start": start, "duration": duration, "kind": plan.kind, "req": plan.req,
+        "num_tokens": plan.num_tokens, "start_pos": plan.start_pos, "holder": holder,
+        "rows": rows, "row_tokens": row_tokens, "context": context, "kv_tokens": kv_tokens,
+        "kv_reserved": kv_reserved,
+    }  # fmt: skip
+
+
+def from_columns(cols: dict, prompt_len: np.ndarray, num_slots: int) -> Record:
+    """The Record of a run from its rows' columns (`pass_row`'s fields, one entry per pass; {}
+    for none), for both loops; which slots emitted is derived here. Per-slot grids stay int32
+    (a long simulation's record is passes x slots)."""
+    p = len(cols["start"]) if cols else 0
+
+    def col(k: str, dtype, width: tuple = ()) -> np.ndarray:
+        return np.asarray(cols[k], dtype).reshape(p, *width) if p else np.zeros((0, *width), dtype)
+
+    slots = {k: col(k, np.int32, (num_slots,)) for k in SLOT_FIELDS}
+    times = {k: col(k, np.float64) for k in ("start", "duration")}
+    counts = {k: col(k, np.int64) for k in PASS_FIELDS if k not in times}
+    emits = emitted(slots["req"], slots["num_tokens"], slots["start_pos"], np.asarray(prompt_len))
+    return Record(**times, **counts, **slots, emits=emits)
+
+
 class Recorder:
+    """The host loop's record: a `pass_row` per pass, as host copies."""
+
     def __init__(self, prompt_len: np.ndarray):
         self._prompt_len = np.asarray(prompt_len)
         self._rows: list[tuple] = []
@@ -66,34 +103,14 @@ class Recorder:
         produced. Keeps copies of the plan's per-slot rows, never views: a view would keep the
         whole array it came from alive (the host loop's packed plan holds every slot's block
         table: a passes x slots x blocks grid)."""
-        emits = emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len)
         own = lambda a: np.array(a, np.int32)  # noqa: E731
-        self._rows.append(
-            (start, duration, int(plan.kind), own(plan.req), own(plan.num_tokens),
-             own(plan.start_pos), own(holder), emits, shape.rows, shape.tokens, shape.context,
-             kv_tokens, kv_reserved)
-        )  # fmt: skip
-        return int(emits.sum())
+        plan = Plan(own(plan.req), own(plan.num_tokens), own(plan.start_pos), int(plan.kind),
+                    plan.wait_until, None)  # fmt: skip
+        shape = (shape.rows, shape.tokens, shape.context)
+        row = pass_row(start, duration, plan, own(holder), shape, kv_tokens, kv_reserved)
+        self._rows.append(tuple(row[k] for k in FIELDS))  # a tuple: the smallest host row
+        return int(emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len).sum())
 
     def finish(self, num_slots: int) -> Record:
-        if not self._rows:
-            empty = np.zeros((0, num_slots), np.int64)
-            z = np.zeros(0)
-            i = z.astype(np.int64)
-            return Record(z, z, i, empty, empty, empty, empty, empty.astype(bool), i, i, i, i, i)
-        cols = list(zip(*self._rows))
-        return Record(
-            start=np.array(cols[0], np.float64),
-            duration=np.array(cols[1], np.float64),
-            kind=np.array(cols[2]),
-            req=np.stack(cols[3]),
-            num_tokens=np.stack(cols[4]),
-            start_pos=np.stack(cols[5]),
-            holder=np.stack(cols[6]),
-            emits=np.stack(cols[7]),
-            rows=np.array(cols[8], np.int64),
-            row_tokens=np.array(cols[9], np.int64),
-            context=np.array(cols[10], np.int64),
-            kv_tokens=np.array(cols[11], np.int64),
-            kv_reserved=np.array(cols[12], np.int64),
-        )
+        cols = dict(zip(FIELDS, zip(*self._rows), strict=True)) if self._rows else {}
+        return from_columns(cols, self._prompt_len, num_slots)
