@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from jaxbatch.model.hf import CheckpointError, read_config
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
@@ -17,7 +18,7 @@ PRESETS = (  # configs/model/: dimensions of public models, for the cost model
     "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
     "gpt3_13b", "gpt3_175b", "opt_13b",
 )  # fmt: skip
-MODEL_NAMES = ("tiny", "small", "custom", *PRESETS)
+MODEL_NAMES = ("tiny", "small", "custom", "hf", *PRESETS)
 HARDWARE_NAMES = (
     "none", "a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e",
     "cpu_local", "custom",
@@ -44,16 +45,44 @@ class ModelConfig:
     n_kv_heads: int = 2
     d_mlp: int = 688
     max_len: int = 1024
-    dtype: str = "float32"  # matmul inputs; accumulation and the residual stream stay float32
+    dtype: str = "float32"  # weights and matmul inputs; accumulation, residual stream: float32
     kv_dtype: str = "auto"  # the KV cache's dtype; auto: model.dtype's
     seed: int = 0
+    # A local Hugging Face directory (model=hf): its config.json sets the fields above but
+    # max_len, dtype and kv_dtype (`resolve_model`), its safetensors the weights.
+    path: str = ""
+    head_dim: int = 0  # 0: d_model // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
 
     def spec(self) -> ModelSpec:
         return ModelSpec(
             vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_mlp=self.d_mlp,
             max_len=self.max_len, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            head_size=self.head_dim, rope_theta=self.rope_theta, norm_eps=self.norm_eps,
+            qkv_bias=self.qkv_bias, tie_embeddings=self.tie_embeddings,
         )  # fmt: skip
+
+
+def resolve_model(m: ModelConfig) -> None:
+    """With `model.path`, set the model's fields from its config.json (in place), refusing a
+    checkpoint we cannot run, or a max_len beyond what it was trained for or its sliding window."""
+    if not m.path:
+        return
+    try:
+        fields = read_config(m.path)
+    except CheckpointError as err:
+        raise ConfigError("model.path", m.path, str(err)) from None
+    longest, window = fields.pop("max_positions"), fields.pop("sliding_window")
+    fields.pop("eos_id")
+    for name, value in fields.items():
+        setattr(m, name, value)
+    for limit, what in ((longest, "max_position_embeddings"), (window, "sliding_window")):
+        if limit and m.max_len > limit:
+            raise ConfigError("model.max_len", m.max_len, f"its config.json's {what} is {limit}")
 
 
 @dataclass
@@ -174,16 +203,19 @@ def _one_of(name: str, value, valid: tuple[str, ...]) -> None:
 def validate(cfg: Config) -> None:
     m, p, w, e = cfg.model, cfg.policy, cfg.workload, cfg.engine
     _one_of("model.name", m.name, MODEL_NAMES)
+    if m.name == "hf" and not m.path:
+        raise ConfigError("model.path", m.path, "model=hf reads a local Hugging Face directory")
+    resolve_model(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "max_len"):
         _positive(f"model.{name}", getattr(m, name))
     _one_of("model.dtype", m.dtype, tuple(DTYPES))
     _one_of("model.kv_dtype", m.kv_dtype, ("auto", *DTYPES))
-    if m.d_model % m.n_heads:
+    if m.d_model % m.n_heads and not m.head_dim:
         raise ConfigError("model.n_heads", m.n_heads, f"must divide d_model={m.d_model}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must divide n_heads={m.n_heads}")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError("model.n_heads", m.n_heads, "d_model / n_heads must be even (RoPE)")
+    if (m.head_dim or m.d_model // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", m.n_heads, "the head dimension must be even (RoPE)")
     _one_of("policy.name", p.name, POLICY_NAMES)
     _one_of("policy.queue", p.queue, ("fcfs", "spf", "priority"))
     _positive("policy.token_budget", p.token_budget)

@@ -27,7 +27,8 @@ from jaxbatch.config import Config, ConfigError
 from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.engine import RunResult, run
 from jaxbatch.interrupt import never
-from jaxbatch.model.transformer import init_params
+from jaxbatch.model.hf import CheckpointError, load_params
+from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
@@ -142,6 +143,18 @@ def _admission_rejections(
         )
 
 
+def model_params(cfg: Config) -> dict:
+    """The model's weights: its checkpoint's (`model.path`), else random from `model.seed`;
+    stored in `model.dtype` (`transformer.stored`)."""
+    spec = cfg.model.spec()
+    if not cfg.model.path:
+        return init_params(spec, cfg.model.seed)
+    try:
+        return stored(spec, load_params(cfg.model.path, spec))
+    except CheckpointError as err:
+        raise ConfigError("model.path", cfg.model.path, str(err)) from None
+
+
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
     mixed_rows = 0
@@ -151,7 +164,7 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
         return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced)
     return Runner(
-        spec, init_params(spec, cfg.model.seed), e.num_slots,
+        spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
         Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
     )  # fmt: skip

@@ -25,7 +25,7 @@ from jaxbatch.workload import WorkloadError, read_trace
             "model",
             "name",
             "gpt5",
-            "model.name='gpt5' is not valid: use one of tiny, small, custom, llama2_7b, "
+            "model.name='gpt5' is not valid: use one of tiny, small, custom, hf, llama2_7b, "
             "llama2_13b, llama2_70b, llama3_8b, llama3_70b, mistral_7b, qwen2_5_7b, gpt3_13b, "
             "gpt3_175b, opt_13b",
         ),

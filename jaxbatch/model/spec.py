@@ -23,12 +23,15 @@ class ModelSpec:
     max_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    dtype: str = "float32"  # matmul inputs (accumulation and the residual stream: float32)
+    dtype: str = "float32"  # weights and matmul inputs (accumulation, residual stream: float32)
     kv_dtype: str = "auto"  # the KV cache's; auto: dtype's
+    head_size: int = 0  # per attention head; 0: d_model // n_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    tie_embeddings: bool = False  # the output head is the embedding's transpose
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def jnp_dtype(self):
@@ -48,6 +51,8 @@ class ModelSpec:
     def num_params(self) -> int:
         d, hd = self.d_model, self.head_dim
         attn = d * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
+        bias = hd * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         mlp = 3 * d * self.d_mlp
-        per_layer = attn + mlp + 2 * d
-        return self.n_layers * per_layer + 2 * self.vocab_size * d + d
+        per_layer = attn + bias + mlp + 2 * d
+        heads = 1 if self.tie_embeddings else 2
+        return self.n_layers * per_layer + heads * self.vocab_size * d + d

@@ -45,16 +45,17 @@ class Block(nn.Module):
     def __call__(self, x, positions, cache, index, ctx_len, write):
         s, dt = self.spec, self.spec.jnp_dtype
 
-        def dense(features, axis=-1, name=None):
+        def dense(features, axis=-1, name=None, bias=False):
             return nn.DenseGeneral(
-                features, axis=axis, use_bias=False, dtype=dt, kernel_init=_init, name=name,
+                features, axis=axis, use_bias=bias, dtype=dt, kernel_init=_init, name=name,
                 dot_general=_f32_accumulate,
             )  # fmt: skip
 
         h = RMSNorm(s.norm_eps, name="attn_norm")(x)
-        q = rope(dense((s.n_heads, s.head_dim), name="q")(h), positions, s.rope_theta)
-        k = rope(dense((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
-        v = dense((s.n_kv_heads, s.head_dim), name="v")(h)
+        qkv = partial(dense, bias=s.qkv_bias)
+        q = rope(qkv((s.n_heads, s.head_dim), name="q")(h), positions, s.rope_theta)
+        k = rope(qkv((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
+        v = qkv((s.n_kv_heads, s.head_dim), name="v")(h)
         if cache is None:
             out = attend(q, k, v, causal(positions, positions))
         else:
@@ -107,9 +108,20 @@ class Transformer(nn.Module):
 
 
 def init_params(spec: ModelSpec, seed: int) -> dict:
-    """Random weights from a seed (float32 parameters; compute dtype comes from the spec)."""
+    """Random weights from a seed, stored as `stored` says."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+    return stored(spec, Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"])
+
+
+def stored(spec: ModelSpec, params: dict) -> dict:
+    """Parameters as the runner keeps them: matrices (embedding, projections, head) in
+    `spec.dtype` (bfloat16 halves their memory), norm scales and biases in float32."""
+
+    def cast(path, x):
+        small = path[-1].key in ("scale", "bias")
+        return jnp.asarray(x, jnp.float32 if small else spec.jnp_dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def full_forward(spec: ModelSpec, params: dict, tokens: Array) -> Array:

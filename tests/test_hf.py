@@ -1,0 +1,128 @@
+"""Hugging Face checkpoints against the reference implementation: small random Llama and Qwen2
+models built and saved by `transformers` (CPU PyTorch), loaded by jaxbatch; logits for prompts of
+different lengths equal transformers' (float32, atol 1e-4), and greedy tokens under every policy
+and both memory layouts equal transformers' greedy generation. Tied embeddings and a sharded
+checkpoint load too; a broken checkpoint is refused with one message naming what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch  # test-only dependencies ('.[test]')
+import transformers
+
+from jaxbatch.config import ConfigError, MemoryConfig, ModelConfig, validate
+from jaxbatch.model.transformer import full_forward
+from jaxbatch.run import model_params, simulate
+from tests.conftest import make_config, make_workload
+
+DIMS = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=112, max_position_embeddings=256,
+            rope_theta=5000.0, rms_norm_eps=1e-6)  # fmt: skip
+PROMPTS = [5, 17, 1, 30]
+
+
+def _save(tmp_path, kind: str, tied: bool = False, shard: str | None = None, init=0.02):
+    """A random model saved by transformers. Its weights' scale `init`: transformers' default
+    0.02 gives near-uniform logits, whose argmax a rounding error can flip; greedy tests use
+    larger weights, whose tokens are decided by clear margins."""
+    torch.manual_seed(0)
+    dims = DIMS | {"initializer_range": init}
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**dims, tie_word_embeddings=tied)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**dims, tie_word_embeddings=tied)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random biases, so a dropped one would show
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model = model.float().eval()
+    out = tmp_path / f"{kind}{'_tied' if tied else ''}{'_sharded' if shard else ''}"
+    model.save_pretrained(
+        out, safe_serialization=True, **({"max_shard_size": shard} if shard else {})
+    )
+    return model, out
+
+
+def _config(path, policy="continuous", layout="contiguous"):
+    cfg = make_config(policy, num_slots=3, backend="runner", clock="passes", warmup=False)
+    cfg.model = ModelConfig(name="hf", path=str(path), max_len=128)
+    cfg.policy.token_budget, cfg.policy.long_prefill_threshold = 32, 8  # chunked: 8-token chunks
+    cfg.memory = MemoryConfig(layout=layout, block_size=16)
+    validate(cfg)
+    return cfg
+
+
+CHECKPOINTS = [("llama", False, None), ("qwen2", False, None), ("llama", True, None),
+               ("qwen2", False, "40KB")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,tied,shard", CHECKPOINTS)
+def test_logits_equal_transformers(tmp_path, kind, tied, shard):
+    model, path = _save(tmp_path, kind, tied, shard)
+    if shard:
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) > 1
+    cfg = _config(path)
+    spec = cfg.model.spec()
+    assert (spec.qkv_bias, spec.tie_embeddings) == (kind == "qwen2", tied)
+    params = model_params(cfg)
+    rng = np.random.default_rng(1)
+    for n in PROMPTS:
+        ids = rng.integers(0, DIMS["vocab_size"], (1, n))
+        with torch.no_grad():
+            want = model(torch.tensor(ids)).logits.numpy()
+        got = np.asarray(jax.jit(full_forward, static_argnums=0)(spec, params, ids))
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _greedy(model, prompt: np.ndarray, n: int) -> list[int]:
+    """transformers' greedy decoding, one whole forward pass per token (no cache, no mask to
+    infer from a pad id)."""
+    ids = torch.tensor(prompt[None])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_tokens_equal_transformers_under_every_policy_and_layout(tmp_path, kind):
+    model, path = _save(tmp_path, kind, init=0.3)
+    w = make_workload([9, 21, 4, 14, 30], [6, 3, 8, 5, 4])
+    prompts = w.prompts(DIMS["vocab_size"], 128)
+    want = [_greedy(model, p[:n], int(m)) for p, n, m in zip(prompts, w.prompt_len, w.max_new)]
+    for layout in ("contiguous", "paged"):
+        for policy in ("static", "continuous", "orca", "chunked"):
+            res = simulate(_config(path, policy, layout), w)
+            got = [list(map(int, t)) for t in res.outputs]
+            assert got == want, (policy, layout)
+
+
+def test_a_broken_checkpoint_is_refused_naming_what_is_wrong(tmp_path):
+    _, path = _save(tmp_path, "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel; supported: Llama"):
+        _config(path)
+    (path / "config.json").write_text(json.dumps(config | {"intermediate_size": 100}))
+    cfg = _config(path)
+    with pytest.raises(ConfigError, match=r"mlp.gate_proj.weight has shape \(112, 64\), "
+                                          r"config.json implies \(100, 64\)"):  # fmt: skip
+        model_params(cfg)
+    (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match=r"tensor model.layers.2.input_layernorm.weight is "
+                                          r"missing \(and 8 more\)"):  # fmt: skip
+        model_params(_config(path))
+    with pytest.raises(ConfigError, match="model.max_len=512 is not valid: its config.json's "
+                                          "max_position_embeddings is 256"):  # fmt: skip
+        cfg = _config(path)
+        cfg.model = dataclasses.replace(cfg.model, max_len=512)
+        validate(cfg)
