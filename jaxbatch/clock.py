@@ -10,6 +10,7 @@ arrivals up, the clock down. Every reported time is the host's float64.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,7 +52,11 @@ class Clock:
         """Move the origin to `origin` (at or before every time the device will next see):
         the state's arrivals, relative to it and rounded up."""
         self.origin = float(origin)
-        return state.replace(arrival=jnp.asarray(_up(self.arrival - self.origin)))
+        arrival = jnp.asarray(_up(self.arrival - self.origin))
+        placed = getattr(state.arrival, "sharding", None)
+        if placed is not None and len(placed.device_set) > 1:  # on a mesh: stay there
+            arrival = jax.device_put(arrival, placed)
+        return state.replace(arrival=arrival)
 
     def lookahead(self, wait_until: np.float32) -> float:
         """An origin from which to look again at a far idle wake: the device's `wait_until` this

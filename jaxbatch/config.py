@@ -180,6 +180,15 @@ class OutputConfig:
 
 
 @dataclass
+class MeshConfig:
+    """Devices of a real run (engine.backend=runner): a data axis (slots) by a model axis (tensor
+    parallelism: heads, KV heads, the MLP's inner dimension). 1 x 1: one device, no sharding."""
+
+    data: int = 1
+    model: int = 1
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -188,6 +197,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
 def _positive(name: str, value) -> None:
@@ -311,11 +321,54 @@ def validate(cfg: Config) -> None:
         raise ConfigError("memory.budget_tokens", mem.budget_tokens, "must be >= 0")
     if not 0 <= mem.watermark < 1:
         raise ConfigError("memory.watermark", mem.watermark, "must be in [0, 1)")
+    _mesh(cfg)
     if e.backend == "simulator" and cfg.output.tokens:
         raise ConfigError(
             "output.tokens", cfg.output.tokens,
             "the simulator runs no model, so it has no tokens to write: use engine.backend=runner "
             "or output.tokens=false",
+        )  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _mesh(cfg: Config) -> None:
+    """A mesh the model and slots split over: the model axis must divide the KV heads (each
+    device holds whole heads), the heads and the MLP; the data axis the slots (slot layout)."""
+    mesh, m, e = cfg.mesh, cfg.model, cfg.engine
+    _positive("mesh.data", mesh.data)
+    _positive("mesh.model", mesh.model)
+    if mesh.data * mesh.model == 1:
+        return
+    if e.backend != "runner":
+        raise ConfigError(
+            "mesh.model", mesh.model,
+            "a mesh runs the model: needs engine.backend=runner (the simulator prices "
+            "hardware.tensor_parallel)",
+        )  # fmt: skip
+    for size, what in ((m.n_kv_heads, "n_kv_heads"), (m.n_heads, "n_heads"), (m.d_mlp, "d_mlp")):
+        if size % mesh.model:
+            valid = [d for d in range(1, m.n_kv_heads + 1)
+                     if not (m.n_kv_heads % d or m.n_heads % d or m.d_mlp % d)]  # fmt: skip
+            raise ConfigError(
+                "mesh.model", mesh.model,
+                f"must divide model.{what}={size}: valid model axes are {valid}",
+            )  # fmt: skip
+    if cfg.memory.layout == "contiguous" and e.num_slots % mesh.data:
+        raise ConfigError(
+            "mesh.data", mesh.data,
+            f"must divide engine.num_slots={e.num_slots} (the slot layout splits slots): one of "
+            f"{_divisors(e.num_slots)}",
+        )  # fmt: skip
+    import jax  # only a mesh asks how many devices there are
+
+    if mesh.data * mesh.model > jax.device_count():
+        raise ConfigError(
+            "mesh.data", mesh.data,
+            f"a {mesh.data}x{mesh.model} mesh needs {mesh.data * mesh.model} devices; "
+            f"{jax.device_count()} visible",
         )  # fmt: skip
 
 

@@ -181,7 +181,11 @@ def run_device(
 
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     carry = jax.jit(partial(_start, max_passes=size))(state, backend.carry())
-    run = jax.jit(segment, donate_argnums=1).lower(consts, carry, jnp.int32(0), False).compile()
+    # The carry keeps its placement across segments (on a mesh, the cache's sharding); XLA
+    # would otherwise choose the outputs' and the next segment's inputs would not match.
+    placed = jax.tree.map(lambda x: x.sharding, carry)
+    run = jax.jit(segment, donate_argnums=1, out_shardings=placed)
+    run = run.lower(consts, carry, jnp.int32(0), False).compile()
     if backend.num_branches:
         # Warm-up runs branch p at pass p on a copy of the run's start (the token buffer too).
         # The K/V it leaves in the cache sit at stale positions, which no pass reads (each reads

@@ -153,7 +153,7 @@ def run(
     times = Clock(np.asarray(state.arrival) if arrival is None else arrival)
     state = times.rebase(state, 0.0)
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    warm_state, warm_plan = schedule(state, params)
+    warm_state, warm_plan = schedule(state.replace(now=times.device(0.0)), params)  # as the run
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     backend.warmup(warmup_shapes, stop)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jaxbatch.backend.buckets import pow2_at_least
@@ -22,6 +23,7 @@ from jaxbatch.backend.cost_model import (
 )
 from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.runner_step import RunnerStep
+from jaxbatch.backend.sharding import make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError
 from jaxbatch.device_loop import run_device, run_sweep
@@ -167,6 +169,7 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
         Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
+        make_mesh(cfg.mesh.data, cfg.mesh.model) if cfg.mesh.data * cfg.mesh.model > 1 else None,
     )  # fmt: skip
 
 
@@ -183,6 +186,8 @@ def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
         e.num_slots, workload.priority, memory,
     )  # fmt: skip
     backend = build_backend(cfg, workload, memory, with_logits)
+    if getattr(backend, "mesh", None) is not None:  # the scheduler's arrays: on every device
+        state = jax.device_put(state, replicated(backend.mesh))
     ok = ~rejected
     shapes = backend.buckets.for_workload(
         workload.prompt_len[ok], workload.max_new[ok], recompute=memory.paged

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import Array
+from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
+from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params
 from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
     CacheIndex,
@@ -158,14 +160,21 @@ def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
 
 @cache
 def _jitted_pass(
-    spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool
-):
-    """One jitted function per static configuration, shared by every Runner of the process."""
+    spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool,
+    placement=None,
+):  # fmt: skip
+    """One jitted function per static configuration, shared by every Runner of the process.
+    `placement` (on a mesh): the cache's shardings and the replicated one, which the outputs
+    keep, so a pass never hands the next a cache placed differently (a recompilation)."""
     fn = partial(
         _pass, spec=spec, shape=shape, sampling=sampling, num_slots=num_slots,
         with_logits=with_logits,
     )  # fmt: skip
-    return jax.jit(fn, donate_argnums=(1, 2))
+    if placement is None:
+        return jax.jit(fn, donate_argnums=(1, 2))
+    cache_placed, rep = placement
+    out = (cache_placed, rep, rep, rep if with_logits else None)
+    return jax.jit(fn, donate_argnums=(1, 2), out_shardings=out)
 
 
 class Runner:
@@ -184,8 +193,11 @@ class Runner:
         min_bucket: int = 16,
         memory: MemorySpec | None = None,
         mixed_rows: int = 0,
+        mesh: Mesh | None = None,
     ):
-        self.spec, self.params, self.num_slots = spec, params, num_slots
+        """With a `mesh`, parameters, cache and buffers are placed on it (`sharding`); the
+        passes are the same jitted functions, partitioned by XLA from those placements."""
+        self.spec, self.params, self.num_slots, self.mesh = spec, params, num_slots, mesh
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
         # Paged reads gather only the blocks a context needs; slot reads take whole segments.
@@ -201,10 +213,21 @@ class Runner:
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
+        self.placement = None
+        if mesh is not None:
+            self.placement = (cache_sharding(self.cache, mesh), replicated(mesh))
+            self.params = shard_params(params, mesh)
+            self.cache = jax.device_put(self.cache, self.placement[0])
+            self.token_buf, self.prompt_len, self.request_ids = jax.device_put(
+                (self.token_buf, self.prompt_len, self.request_ids), replicated(mesh)
+            )
 
     def _call(self, shape: PassShape, *rows) -> tuple[Array, Array | None]:
         """Run the jitted pass of `shape` on its row arguments (see `_pass`)."""
-        fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits)
+        fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits,
+                          self.placement)  # fmt: skip
+        if self.mesh is not None:  # every call's rows placed alike: one compilation per shape
+            rows = jax.device_put(rows, replicated(self.mesh))
         self.cache, self.token_buf, tokens, logits = fn(
             self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids, *rows
         )

@@ -1,0 +1,59 @@
+"""Runs one workload on meshes of 8 simulated CPU devices and prints, per mesh and loop, each
+request's tokens and the compilations after warm-up, as JSON: `tests/test_sharding.py` runs it
+in a subprocess, since the device count is fixed when JAX starts
+(XLA_FLAGS=--xla_force_host_platform_device_count=8)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+from jaxbatch.config import MemoryConfig, MeshConfig, ModelConfig, validate
+from jaxbatch.run import build_backend, memory_spec, simulate
+from tests.conftest import make_config, make_workload
+
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
+# Eight KV heads (plain multi-head attention): every model axis up to 8 holds whole heads.
+MODEL = ModelConfig(name="custom", vocab_size=256, d_model=128, n_layers=1, n_heads=8,
+                    n_kv_heads=8, d_mlp=256, max_len=64)  # fmt: skip
+
+
+def main() -> None:
+    out = {}
+    w = make_workload([5, 30, 12, 16, 7, 9, 14, 3, 11, 6], [9, 4, 12, 6, 10, 3, 5, 8, 7, 6])
+    runs = [("contiguous", "continuous", "host", m) for m in MESHES]
+    runs += [("contiguous", "chunked", "device", m) for m in MESHES]
+    runs += [("paged", "chunked", "host", m) for m in ((1, 1), (2, 4))]
+    for layout, policy, loop, (data, model) in runs:
+        cfg = make_config(policy, num_slots=8, clock="passes", loop=loop)
+        cfg.model, cfg.mesh = MODEL, MeshConfig(data=data, model=model)
+        cfg.policy.token_budget = 32
+        cfg.memory = MemoryConfig(layout=layout, block_size=16)
+        validate(cfg)
+        res = simulate(cfg, w)
+        out[f"{layout}/{policy}/{loop}/{data}x{model}"] = {
+            "tokens": [t.tolist() for t in res.outputs],
+            "compiles_after_warmup": res.compiles_after_warmup,
+        }
+    # Where a 2x4 runner puts its arrays (PARAM_RULES, cache_sharding).
+    cfg = make_config("continuous", num_slots=8)
+    cfg.model, cfg.mesh = MODEL, MeshConfig(data=2, model=4)
+    for layout in ("contiguous", "paged"):
+        cfg.memory = MemoryConfig(layout=layout, block_size=16)
+        runner = build_backend(cfg, w, memory_spec(cfg))
+        layer = runner.params["layer_0"]
+        out[f"placement/{layout}"] = {
+            "q": str(layer["q"]["kernel"].sharding.spec),
+            "o": str(layer["o"]["kernel"].sharding.spec),
+            "down": str(layer["down"]["kernel"].sharding.spec),
+            "embed": str(runner.params["embed"]["embedding"].sharding.spec),
+            "cache": str(jax.tree.leaves(runner.cache)[0].sharding.spec),
+            "devices": len(jax.tree.leaves(runner.cache)[0].sharding.device_set),
+        }  # fmt: skip
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

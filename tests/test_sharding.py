@@ -1,0 +1,73 @@
+"""Many devices: 8 simulated CPU devices in a subprocess (`tests/sharded_runs.py`). Tokens equal
+the single-device run for meshes 1x8, 2x4, 4x2 and 8x1, on the host loop and the device loop,
+with nothing compiled after warm-up; parameters and caches sit where the partition rules say; a
+mesh the model or the slots cannot split is refused naming the valid sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxbatch.config import ConfigError, MeshConfig, validate
+from tests.conftest import make_config
+from tests.sharded_runs import MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-m", "tests.sharded_runs"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
+    groups = {k.rsplit("/", 1)[0] for k in runs if not k.startswith("placement")}
+    assert groups == {"contiguous/continuous/host", "contiguous/chunked/device",
+                      "paged/chunked/host"}  # fmt: skip
+    for key, run in runs.items():
+        if key.startswith("placement"):
+            continue
+        alone = runs[key.rsplit("/", 1)[0] + "/1x1"]
+        assert run["tokens"] == alone["tokens"], key
+        assert sum(map(len, run["tokens"])) == 9 + 4 + 12 + 6 + 10 + 3 + 5 + 8 + 7 + 6
+        assert run["compiles_after_warmup"] == 0, key
+    meshes = {k.rsplit("/", 1)[1] for k in runs if k.startswith("contiguous/chunked/device")}
+    assert meshes == {"1x1", "1x8", "2x4", "4x2", "8x1"}
+
+
+def test_parameters_and_caches_sit_where_the_rules_say(runs):
+    for layout, slots in (("contiguous", "'data'"), ("paged", "None")):
+        placed = runs[f"placement/{layout}"]
+        assert placed["q"] == "P(None, 'model', None)"  # heads over the model axis
+        assert placed["o"] == "P('model', None, None)"
+        assert placed["down"] == "P('model', None)"  # the MLP's inner dimension
+        assert placed["embed"] == "P()"  # replicated
+        assert placed["cache"] == f"P({slots}, 'model', None, None)"
+        assert placed["devices"] == 8
+
+
+@pytest.mark.parametrize(
+    "data,model,message",
+    [
+        (1, 3, "mesh.model=3 is not valid: must divide model.n_kv_heads=8: valid model axes "
+               "are [1, 2, 4, 8]"),
+        (3, 1, "mesh.data=3 is not valid: must divide engine.num_slots=8 (the slot layout "
+               "splits slots): one of [1, 2, 4, 8]"),
+        (2, 2, "mesh.data=2 is not valid: a 2x2 mesh needs 4 devices; 1 visible"),
+    ],
+)  # fmt: skip
+def test_a_mesh_the_model_or_slots_cannot_split_is_refused(data, model, message):
+    cfg = make_config("continuous", num_slots=8)
+    cfg.model, cfg.mesh = MODEL, MeshConfig(data=data, model=model)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg)
