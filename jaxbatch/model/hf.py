@@ -137,7 +137,7 @@ def load_params(path: str | Path, spec: ModelSpec) -> dict:
     """The Transformer's parameters from a checkpoint directory, by `_table`, as float32 numpy
     (`transformer.stored` casts them to the spec's dtype). A tied head is the embedding's
     transpose."""
-    path = Path(path)
+    path = Path(path).expanduser()
     tensors = {k: v for k, v in _tensors(path).items() if not _IGNORED.match(k)}
     table = _table(spec)
     missing = sorted(set(table) - set(tensors))
