@@ -204,20 +204,23 @@ class Runner:
         min_context = 0 if self.paged else segment_bounds(spec.max_len)[1]
         self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, min_context)
         self.max_blocks = memory.max_blocks if memory else 0
-        self.cache: SlotCache | PagedCache = (
-            init_paged_cache(spec, memory.num_blocks, memory.block_size)
-            if self.paged
-            else init_slot_cache(spec, num_slots)
-        )
+
+        def new_cache() -> SlotCache | PagedCache:
+            if self.paged:
+                return init_paged_cache(spec, memory.num_blocks, memory.block_size)
+            return init_slot_cache(spec, num_slots)
+
         self.token_buf = jnp.asarray(prompts, jnp.int32)  # [N, max_len]: prompt, then outputs
         self.prompt_len = jnp.asarray(prompt_len, jnp.int32)
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
         self.placement = None
-        if mesh is not None:
-            self.placement = (cache_sharding(self.cache, mesh), replicated(mesh))
+        if mesh is None:
+            self.params, self.cache = jax.device_put(params), new_cache()
+        else:  # allocated where they live: no device ever holds the whole cache or weights
+            self.placement = (cache_sharding(jax.eval_shape(new_cache), mesh), replicated(mesh))
             self.params = shard_params(params, mesh)
-            self.cache = jax.device_put(self.cache, self.placement[0])
+            self.cache = jax.jit(new_cache, out_shardings=self.placement[0])()
             self.token_buf, self.prompt_len, self.request_ids = jax.device_put(
                 (self.token_buf, self.prompt_len, self.request_ids), replicated(mesh)
             )

@@ -11,6 +11,7 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from jaxbatch.model.attention import attend, causal, rope
@@ -108,18 +109,20 @@ class Transformer(nn.Module):
 
 
 def init_params(spec: ModelSpec, seed: int) -> dict:
-    """Random weights from a seed, stored as `stored` says."""
+    """Random weights from a seed, stored as `stored` says, on the default device."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return stored(spec, Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"])
+    params = Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+    return jax.device_put(stored(spec, params))
 
 
 def stored(spec: ModelSpec, params: dict) -> dict:
-    """Parameters as the runner keeps them: matrices (embedding, projections, head) in
-    `spec.dtype` (bfloat16 halves their memory), norm scales and biases in float32."""
+    """Parameters as the runner keeps them, on the host until it places them: matrices
+    (embedding, projections, head) in `spec.dtype` (bfloat16 halves their memory), norm scales
+    and biases in float32."""
 
     def cast(path, x):
         small = path[-1].key in ("scale", "bias")
-        return jnp.asarray(x, jnp.float32 if small else spec.jnp_dtype)
+        return np.asarray(x, np.float32 if small else spec.jnp_dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)
 
