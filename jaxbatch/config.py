@@ -56,6 +56,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    eos_id: int = -1  # the model's end-of-sequence id (config.json's, with model=hf); -1: none
 
     def spec(self) -> ModelSpec:
         return ModelSpec(
@@ -77,7 +78,6 @@ def resolve_model(m: ModelConfig) -> None:
     except CheckpointError as err:
         raise ConfigError("model.path", m.path, str(err)) from None
     longest, window = fields.pop("max_positions"), fields.pop("sliding_window")
-    fields.pop("eos_id")
     for name, value in fields.items():
         setattr(m, name, value)
     for limit, what in ((longest, "max_position_embeddings"), (window, "sliding_window")):
@@ -130,7 +130,8 @@ class EngineConfig:
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
-    eos_id: int = -1  # -1: ignore EOS, as trace replay requires
+    eos_id: int = -1  # -1: the model's (model.eos_id; none for random-init models)
+    ignore_eos: bool = False  # run every request to its output budget, as trace replay requires
     min_bucket: int = 16
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
     # host: one Python iteration per pass. device: the whole run as one compiled lax.while_loop
@@ -283,10 +284,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:
         raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
+    if not -1 <= m.eos_id < m.vocab_size:
+        raise ConfigError(
+            "model.eos_id", m.eos_id, f"must be -1 (none) or in 0..{m.vocab_size - 1}"
+        )
     if not -1 <= e.eos_id < m.vocab_size:
         raise ConfigError(
             "engine.eos_id", e.eos_id,
-            f"must be -1 (no EOS) or a token id in 0..{m.vocab_size - 1} (model.vocab_size)",
+            f"must be -1 (the model's EOS) or a token id in 0..{m.vocab_size - 1} "
+            "(model.vocab_size)",
         )  # fmt: skip
     if e.min_bucket < 1 or e.min_bucket & (e.min_bucket - 1):
         raise ConfigError(

@@ -145,6 +145,13 @@ def _admission_rejections(
         )
 
 
+def eos_id(cfg: Config) -> int:
+    """The token that ends a request: none with engine.ignore_eos, else engine.eos_id, else the
+    model's (a checkpoint's config.json names it); -1: none."""
+    e = cfg.engine
+    return -1 if e.ignore_eos else e.eos_id if e.eos_id >= 0 else cfg.model.eos_id
+
+
 def model_params(cfg: Config) -> dict:
     """The model's weights: its checkpoint's (`model.path`), else random from `model.seed`;
     stored in `model.dtype` (`transformer.stored`)."""
@@ -195,7 +202,7 @@ def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     watermark = watermark_blocks(cfg, memory)
     p = cfg.policy
     params = PolicyParams(
-        max_wait_s=np.float32(p.max_wait_s), eos_id=np.int32(e.eos_id),
+        max_wait_s=np.float32(p.max_wait_s), eos_id=np.int32(eos_id(cfg)),
         watermark_blocks=np.int32(watermark), token_budget=np.int32(p.token_budget),
         threshold=np.int32(p.long_prefill_threshold),
         max_prefills=np.int32(p.max_partial_prefills),
@@ -245,7 +252,7 @@ def sweep_key(cfg: Config) -> str | None:
     budget = dict(budget_tokens=0, budget_mib=0.0) if m.layout == "paged" else {}
     return repr(dataclasses.replace(
         cfg, workload=None, output=None, policy=dataclasses.replace(p, **knobs),
-        engine=dataclasses.replace(e, eos_id=0),
+        engine=dataclasses.replace(e, eos_id=0, ignore_eos=False),
         memory=dataclasses.replace(m, watermark=0.0, **budget),
     ))  # fmt: skip
 

@@ -129,3 +129,22 @@ def test_a_broken_checkpoint_is_refused_naming_what_is_wrong(tmp_path):
         cfg = _config(path)
         cfg.model = dataclasses.replace(cfg.model, max_len=512)
         validate(cfg)
+
+
+def test_the_checkpoints_eos_ends_a_request_unless_ignored(tmp_path):
+    """config.json's eos_token_id ends a request at that token (kept as its last); with
+    engine.ignore_eos every request runs to its budget, as a trace replay needs."""
+    model, path = _save(tmp_path, "llama", init=0.3)
+    w = make_workload([9, 21, 4, 14, 30], [6, 3, 8, 5, 4])
+    prompts = w.prompts(DIMS["vocab_size"], 128)
+    want = [_greedy(model, p[:n], int(m)) for p, n, m in zip(prompts, w.prompt_len, w.max_new)]
+    eos = want[0][2]  # a token request 0 emits third
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": [eos, eos + 1]}))
+    cfg = _config(path)
+    assert cfg.model.eos_id == eos
+    ended = [t[: t.index(eos) + 1] if eos in t else t for t in want]
+    assert ended != want and len(ended[0]) == 3
+    assert [list(map(int, t)) for t in simulate(cfg, w).outputs] == ended
+    cfg.engine.ignore_eos = True
+    assert [list(map(int, t)) for t in simulate(cfg, w).outputs] == want
