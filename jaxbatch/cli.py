@@ -28,7 +28,7 @@ from jaxbatch.report.plots import plot_memory, plot_timeline
 from jaxbatch.report.sweep import summarize_sweep
 from jaxbatch.run import memory_spec, rejections, simulate
 from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED
-from jaxbatch.workload import WorkloadError, from_config
+from jaxbatch.workload import WorkloadError, from_config, tokenizer
 
 register()
 # The configs live beside the package (DESIGN.md layout); an editable install finds them here.
@@ -47,7 +47,7 @@ def execute(
     unfinished are `interrupted` in requests.csv, and metrics.json says `"interrupted": true`.
     `result`: the run already done (a member of a swept program, see `vmap_launcher`)."""
     validate(cfg)
-    workload = from_config(cfg.workload, base_dir)
+    workload = from_config(cfg.workload, base_dir, cfg.model.path)
     result = result or simulate(cfg, workload, stop=stop)
     spec, rec, final = cfg.model.spec(), result.record, result.final
     memory = memory_spec(cfg)
@@ -105,7 +105,7 @@ def execute(
     files.write_passes(out_dir / "passes.csv", rec, memory.block_size if memory.paged else 0)
     files.save_record(out_dir / "record.npz", rec)
     if cfg.output.tokens and result.outputs is not None:
-        files.write_tokens(out_dir / "tokens.jsonl", result.outputs)
+        files.write_tokens(out_dir / "tokens.jsonl", result.outputs, tokenizer(cfg.model.path))
     if cfg.output.plots:
         plot_timeline(rec, out_dir / "timeline.png", f"{cfg.policy.name}: {rec.num_passes} passes")
         plot_memory(rec, memory.capacity_tokens, out_dir / "memory.png", memory.layout)

@@ -106,7 +106,7 @@ class LengthConfig:
 
 @dataclass
 class WorkloadConfig:
-    kind: str = "synthetic"  # synthetic | trace
+    kind: str = "synthetic"  # synthetic | trace | text (JSONL prompts, model=hf's tokenizer)
     num_requests: int = 32
     arrival: str = "offline"  # offline | poisson | gamma
     rate: float = 10.0  # requests/s for poisson and gamma
@@ -115,7 +115,7 @@ class WorkloadConfig:
     output: LengthConfig = field(default_factory=lambda: LengthConfig(mean=64))
     priority_levels: int = 1  # request priorities drawn uniformly from 0..levels-1
     seed: int = 0
-    path: str = ""  # trace CSV (Azure schema)
+    path: str = ""  # trace CSV (Azure schema), or text JSONL
     limit: int = 0  # trace rows to keep, 0 = all
     time_scale: float = 1.0  # multiplies trace arrival times
     length_scale: float = 1.0  # multiplies trace prompt lengths (and outputs, unless output_scale)
@@ -240,7 +240,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"policy.{name}", getattr(p, name), "must be >= 0 (0: no limit)")
     if p.max_wait_s < 0:
         raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
-    _one_of("workload.kind", w.kind, ("synthetic", "trace"))
+    _one_of("workload.kind", w.kind, ("synthetic", "trace", "text"))
     if w.kind == "synthetic":
         _positive("workload.num_requests", w.num_requests)
         _one_of("workload.arrival", w.arrival, ("offline", "poisson", "gamma"))

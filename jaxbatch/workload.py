@@ -8,6 +8,7 @@ touches JAX.
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ class Workload:
     priority: np.ndarray = field(default=None)  # [N] int64, 0 when unset
     seed: int = 0
     ids: np.ndarray = field(default=None)  # [N] identity: seeds the prompt and the sampling
+    tokens: tuple | None = None  # each request's prompt token ids (text workloads); else seeded
 
     def __post_init__(self):
         n = len(self.arrival)
@@ -46,17 +48,22 @@ class Workload:
             arrival=pick(self.arrival), prompt_len=pick(self.prompt_len),
             max_new=pick(self.max_new), priority=pick(self.priority), seed=self.seed,
             ids=pick(self.ids),
+            tokens=None if self.tokens is None else tuple(np.asarray(self.tokens, object)[index]),
         )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.arrival)
 
     def prompts(self, vocab_size: int, width: int) -> np.ndarray:
-        """[N, width] int32: a request's prompt depends only on (seed, its id), zero after it."""
+        """[N, width] int32: a request's prompt (its text's tokens; else seeded: it depends only
+        on (seed, its id)), zero after it."""
         out = np.zeros((len(self), width), np.int32)
         for i, (rid, n) in enumerate(zip(self.ids, self.prompt_len)):
             n = int(min(n, width))
-            out[i, :n] = np.random.default_rng([self.seed, int(rid)]).integers(0, vocab_size, n)
+            if self.tokens is not None:
+                out[i, :n] = self.tokens[i][:n]
+            else:
+                out[i, :n] = np.random.default_rng([self.seed, int(rid)]).integers(0, vocab_size, n)
         return out
 
     def rejections(self, max_len: int) -> list[str]:
@@ -169,12 +176,58 @@ def _parse_count(row: list[str], col: int, name: str, path: Path, line: int) -> 
     return min(int(text), LENGTH_CAP)
 
 
-def from_config(cfg, base_dir: Path | None = None) -> Workload:
-    """Build the workload of a WorkloadConfig; a relative trace path is taken from base_dir."""
+def tokenizer(model_path: str):
+    """The `tokenizers` Tokenizer of a model directory's tokenizer.json (None: there is none)."""
+    file = Path(model_path).expanduser() / "tokenizer.json" if model_path else None
+    if file is None or not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def read_text(path: Path, tok) -> Workload:
+    """A JSONL file of {"prompt": text, "max_new_tokens": n[, "arrival": seconds]}, one request
+    a line, its prompt tokenised by `tok`."""
+    if not path.is_file():
+        raise WorkloadError(f"workload.path={str(path)!r}: no such file")
+    arrival, tokens, budget = [], [], []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            row = json.loads(line)
+            text, n = row["prompt"], int(row["max_new_tokens"])
+            arrival.append(float(row.get("arrival", 0.0)))
+        except (ValueError, KeyError, TypeError) as err:
+            raise WorkloadError(f"{where}: each line is a JSON object with a string 'prompt' "
+                                f"and an integer 'max_new_tokens' ({err!r})") from None  # fmt: skip
+        if not isinstance(text, str):
+            raise WorkloadError(f"{where}: 'prompt' must be a string")
+        tokens.append(np.asarray(tok.encode(text).ids, np.int64))
+        budget.append(n)
+    if not tokens:
+        raise WorkloadError(f"workload.path={str(path)!r}: no requests in it")
+    return Workload(
+        arrival=np.asarray(arrival), prompt_len=np.array([len(t) for t in tokens]),
+        max_new=np.asarray(budget, np.int64), tokens=tuple(tokens),
+    )  # fmt: skip
+
+
+def from_config(cfg, base_dir: Path | None = None, model_path: str = "") -> Workload:
+    """Build the workload of a WorkloadConfig; a relative trace or text path is taken from
+    base_dir; a text workload is tokenised by `model_path`'s tokenizer.json."""
+    path = Path(cfg.path)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if cfg.kind == "text":
+        tok = tokenizer(model_path)
+        if tok is None:
+            raise WorkloadError("workload.kind='text' needs model=hf with a tokenizer.json in "
+                                f"model.path ({model_path!r} has none)")  # fmt: skip
+        return read_text(path, tok)
     if cfg.kind == "trace":
-        path = Path(cfg.path)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
         arrival, prompt, output = read_trace(
             path, cfg.limit, cfg.time_scale, cfg.length_scale, cfg.output_scale
         )

@@ -15,9 +15,11 @@ import pytest
 import torch  # test-only dependencies ('.[test]')
 import transformers
 
+from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, MemoryConfig, ModelConfig, validate
 from jaxbatch.model.transformer import full_forward
 from jaxbatch.run import model_params, simulate
+from jaxbatch.workload import WorkloadError
 from tests.conftest import make_config, make_workload
 
 DIMS = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -148,3 +150,31 @@ def test_the_checkpoints_eos_ends_a_request_unless_ignored(tmp_path):
     assert [list(map(int, t)) for t in simulate(cfg, w).outputs] == ended
     cfg.engine.ignore_eos = True
     assert [list(map(int, t)) for t in simulate(cfg, w).outputs] == want
+
+
+def test_text_prompts_through_the_checkpoints_tokenizer(tmp_path):
+    """workload.kind=text: JSONL prompts tokenised by model.path's tokenizer.json; tokens.jsonl
+    carries each output's ids and their text; the ids are transformers' greedy tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model, path = _save(tmp_path, "llama", init=0.3)
+    vocab = {f"w{i}": i for i in range(DIMS["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    prompts = ["w3 w17 w5 w60", "w1 w2", "w90 w91 w92 w93 w94 w95 w7"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 3 + i}) + "\n"
+                             for i, p in enumerate(prompts)))  # fmt: skip
+    cfg = _config(path)
+    cfg.workload = dataclasses.replace(cfg.workload, kind="text", path=str(jsonl))
+    cfg.output = dataclasses.replace(cfg.output, tokens=True)
+    execute(cfg, tmp_path / "run")
+    rows = [json.loads(r) for r in (tmp_path / "run" / "tokens.jsonl").read_text().splitlines()]
+    for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+        ids = np.array([int(w[1:]) for w in prompt.split()])
+        assert row["tokens"] == _greedy(model, ids, 3 + i)
+        assert row["text"] == " ".join(f"w{t}" for t in row["tokens"])
+    jsonl.write_text('{"prompt": "w1", "max_new_tokens": "many"}\n')
+    with pytest.raises(WorkloadError, match=r"prompts.jsonl:1: each line is a JSON object"):
+        execute(cfg, tmp_path / "bad")

@@ -51,7 +51,7 @@ def run_together(jobs: dict[int, DictConfig], base_dir: Path) -> dict:
         try:
             cfg = OmegaConf.to_object(task)
             validate(cfg)
-            workload = from_config(cfg.workload, base_dir)
+            workload = from_config(cfg.workload, base_dir, cfg.model.path)
         except Exception:  # noqa: BLE001  the job runs alone and reports its own error
             continue
         key = sweep_key(cfg)

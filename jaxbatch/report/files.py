@@ -77,10 +77,14 @@ def write_passes(path: Path, record: Record, block_size: int) -> None:
         )
 
 
-def write_tokens(path: Path, outputs: list[np.ndarray]) -> None:
+def write_tokens(path: Path, outputs: list[np.ndarray], tokenizer=None) -> None:
+    """One line per request: its output token ids, and with a tokenizer their text."""
     with path.open("w") as f:
         for i, toks in enumerate(outputs):
-            f.write(json.dumps({"id": i, "tokens": [int(t) for t in toks]}) + "\n")
+            row = {"id": i, "tokens": [int(t) for t in toks]}
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(row["tokens"])
+            f.write(json.dumps(row) + "\n")
 
 
 def write_error(path: Path, err: BaseException) -> None:
