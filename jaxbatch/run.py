@@ -147,9 +147,11 @@ def _admission_rejections(
 
 def eos_id(cfg: Config) -> int:
     """The token that ends a request: none with engine.ignore_eos, else engine.eos_id, else the
-    model's (a checkpoint's config.json names it); -1: none."""
+    model's (a checkpoint's config.json names it; not on the simulator, whose tokens are all
+    0); -1: none."""
     e = cfg.engine
-    return -1 if e.ignore_eos else e.eos_id if e.eos_id >= 0 else cfg.model.eos_id
+    model_eos = cfg.model.eos_id if e.backend == "runner" else -1
+    return -1 if e.ignore_eos else e.eos_id if e.eos_id >= 0 else model_eos
 
 
 def model_params(cfg: Config) -> dict:
