@@ -7,6 +7,7 @@ with one message naming the field (exit code 2) before anything compiles.
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from jaxbatch.interrupt import Interrupt, never
 from jaxbatch.report import files
 from jaxbatch.report.metrics import request_times, summarize
 from jaxbatch.report.plots import plot_memory, plot_timeline
+from jaxbatch.report.provenance import provenance
 from jaxbatch.report.sweep import summarize_sweep
 from jaxbatch.run import memory_spec, rejections, simulate
 from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED
@@ -96,6 +98,10 @@ def execute(
         latencies = ("ttft", "tpot", "itl", "e2e")
         metrics["in_passes"] = {k: in_passes[f"{k}_s"] for k in latencies}
     out_dir.mkdir(parents=True, exist_ok=True)
+    ran_on = provenance()
+    (out_dir / "provenance.json").write_text(json.dumps(ran_on, indent=2) + "\n")
+    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    metrics["config"], metrics["provenance"] = "config.yaml", ran_on
     files.write_metrics(out_dir / "metrics.json", metrics)
     files.write_requests(
         out_dir / "requests.csv", workload.ids, workload.arrival, workload.prompt_len,
