@@ -64,8 +64,8 @@ def test_eos_id_must_be_in_the_vocabulary():
         with pytest.raises(ConfigError) as err:
             validate(cfg)
         assert str(err.value) == (
-            f"engine.eos_id={eos} is not valid: must be -1 (the model's EOS) or a token id in 0..255 "
-            "(model.vocab_size)"
+            f"engine.eos_id={eos} is not valid: must be -1 (the model's EOS) or a token id in "
+            "0..255 (model.vocab_size)"
         )
     validate(make_config(eos_id=255))
 
