@@ -28,6 +28,7 @@ from jaxbatch.report.metrics import request_times, summarize
 from jaxbatch.report.plots import plot_memory, plot_timeline
 from jaxbatch.report.provenance import provenance
 from jaxbatch.report.sweep import summarize_sweep
+from jaxbatch.report.trace import write_trace
 from jaxbatch.run import memory_spec, rejections, simulate
 from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED
 from jaxbatch.workload import WorkloadError, from_config, tokenizer
@@ -109,6 +110,7 @@ def execute(
         request_times(rec, len(workload)), rejections(cfg, workload, memory),
     )  # fmt: skip
     files.write_passes(out_dir / "passes.csv", rec, memory.block_size if memory.paged else 0)
+    write_trace(out_dir / "trace.json", rec, workload.prompt_len, cfg.engine.clock)
     files.save_record(out_dir / "record.npz", rec)
     if cfg.output.tokens and result.outputs is not None:
         files.write_tokens(out_dir / "tokens.jsonl", result.outputs, tokenizer(cfg.model.path))
