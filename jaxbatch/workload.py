@@ -48,7 +48,9 @@ class Workload:
             arrival=pick(self.arrival), prompt_len=pick(self.prompt_len),
             max_new=pick(self.max_new), priority=pick(self.priority), seed=self.seed,
             ids=pick(self.ids),
-            tokens=None if self.tokens is None else tuple(np.asarray(self.tokens, object)[index]),
+            tokens=None if self.tokens is None else tuple(
+                self.tokens[i] for i in np.arange(len(self))[index]
+            ),
         )  # fmt: skip
 
     def __len__(self) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxbatch.config import LengthConfig, WorkloadConfig
-from jaxbatch.workload import from_config, read_trace
+from jaxbatch.workload import Workload, from_config, read_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -70,3 +70,12 @@ def test_prompts_depend_only_on_seed_and_id():
     sub = w.subset([4, 1]).prompts(100, 32)
     np.testing.assert_array_equal(sub, full[[4, 1]])
     assert (full[np.arange(32)[None, :] >= w.prompt_len[:, None]] == 0).all()
+
+
+def test_a_text_workloads_subset_keeps_each_prompts_tokens():
+    tokens = (np.array([1, 2]), np.array([3, 4]), np.array([5, 6, 7]))
+    w = Workload(arrival=np.zeros(3), prompt_len=np.array([2, 2, 3]), max_new=np.ones(3, int),
+                 tokens=tokens)  # fmt: skip
+    np.testing.assert_array_equal(w.subset([2, 0]).prompts(10, 4), [[5, 6, 7, 0], [1, 2, 0, 0]])
+    np.testing.assert_array_equal(w.subset(np.array([False, True, True])).prompts(10, 3),
+                                  [[3, 4, 0], [5, 6, 7]])  # fmt: skip
