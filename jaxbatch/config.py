@@ -6,11 +6,14 @@ its value and what would be valid. Never build models or workloads here.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
+import jax
 from hydra.core.config_store import ConfigStore
 
 from jaxbatch.model.hf import CheckpointError, read_config
+from jaxbatch.model.kernels import ATTENTION, choose
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
@@ -57,6 +60,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     eos_id: int = -1  # the model's end-of-sequence id (config.json's, with model=hf); -1: none
+    # xla (portable) | cudnn (GPU, bfloat16) | pallas (TPU, paged memory): see model/kernels.py.
+    # Where the kernel cannot run, validation says why once and sets xla.
+    attention: str = "xla"
 
     def spec(self) -> ModelSpec:
         return ModelSpec(
@@ -64,7 +70,7 @@ class ModelConfig:
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_mlp=self.d_mlp,
             max_len=self.max_len, dtype=self.dtype, kv_dtype=self.kv_dtype,
             head_size=self.head_dim, rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-            qkv_bias=self.qkv_bias, tie_embeddings=self.tie_embeddings,
+            qkv_bias=self.qkv_bias, tie_embeddings=self.tie_embeddings, attention=self.attention,
         )  # fmt: skip
 
 
@@ -227,6 +233,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must divide n_heads={m.n_heads}")
     if (m.head_dim or m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", m.n_heads, "the head dimension must be even (RoPE)")
+    _one_of("model.attention", m.attention, ATTENTION)
+    if cfg.engine.backend == "runner":
+        paged, devices = cfg.memory.layout == "paged", cfg.mesh.data * cfg.mesh.model
+        m.attention, why = choose(m.attention, jax.default_backend(), m.dtype, paged, devices)
+        if why:
+            print(f"jaxbatch: model.attention: {why}; using xla", file=sys.stderr)
     _one_of("policy.name", p.name, POLICY_NAMES)
     _one_of("policy.queue", p.queue, ("fcfs", "spf", "priority"))
     _positive("policy.token_budget", p.token_budget)

@@ -49,9 +49,9 @@ def test_mixed_pass_equals_separate_prefill_and_decode(spec, params, memory):
 
 def _kv(runner, slot, n):
     """Layer 0's K of a slot's first n positions, in position order: [n, kv_heads, head_dim]."""
-    if runner.paged:  # head-major blocks: [block, kv_heads, block_size, D]
+    if runner.paged:  # head-major pool: [kv_heads, block, block_size, D]
         k = np.asarray(runner.cache.k[0])
-        blocks = k[slot * 16 : slot * 16 + runner.max_blocks].transpose(0, 2, 1, 3)
+        blocks = k[:, slot * 16 : slot * 16 + runner.max_blocks].transpose(1, 2, 0, 3)
         return blocks.reshape(-1, *blocks.shape[2:])[:n]
     k = np.concatenate([np.asarray(seg) for seg in runner.cache.k[0]], axis=2)  # the segments
     return k[slot, :, :n].transpose(1, 0, 2)

@@ -47,13 +47,16 @@ def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
 
 
 def test_parameters_and_caches_sit_where_the_rules_say(runs):
-    for layout, slots in (("contiguous", "'data'"), ("paged", "None")):
+    cache_specs = {  # slot layout [slots, kv_heads, ..]; paged pool [kv_heads, blocks, ..]
+        "contiguous": "P('data', 'model', None, None)", "paged": "P('model', None, None, None)"
+    }  # fmt: skip
+    for layout, cache_spec in cache_specs.items():
         placed = runs[f"placement/{layout}"]
         assert placed["q"] == "P(None, 'model', None)"  # heads over the model axis
         assert placed["o"] == "P('model', None, None)"
         assert placed["down"] == "P('model', None)"  # the MLP's inner dimension
         assert placed["embed"] == "P()"  # replicated
-        assert placed["cache"] == f"P({slots}, 'model', None, None)"
+        assert placed["cache"] == cache_spec
         assert placed["devices"] == 8
 
 

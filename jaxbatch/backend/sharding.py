@@ -59,11 +59,12 @@ def shard_params(params: dict, mesh: Mesh) -> dict:
 
 
 def cache_sharding(cache: SlotCache | PagedCache, mesh: Mesh):
-    """Every K/V array [slots or blocks, kv_heads, positions, head_dim]: KV heads over the model
-    axis; the slot layout's slots over the data axis (a paged pool's blocks are shared by every
-    slot, so they stay whole on each data replica)."""
-    lead = "data" if isinstance(cache, SlotCache) else None
-    return jax.tree.map(lambda _: NamedSharding(mesh, P(lead, "model", None, None)), cache)
+    """KV heads over the model axis: the slot layout's [slots, kv_heads, positions, head_dim]
+    arrays also split their slots over the data axis; a paged pool [kv_heads, blocks, block_size,
+    head_dim] keeps its blocks (shared by every slot) whole on each data replica."""
+    paged = P("model", None, None, None)
+    spec = P("data", "model", None, None) if isinstance(cache, SlotCache) else paged
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec), cache)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

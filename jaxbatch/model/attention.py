@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-_MASKED = -1e30
+MASKED = -1e30
 
 
 def rope(x: Array, positions: Array, theta: float) -> Array:
@@ -35,7 +35,7 @@ class Partial(NamedTuple):
     """Attention of queries [N, T] over one key set, before normalisation."""
 
     out: Array  # [N, T, Hkv, G, D] sum of exp(score - top) * value
-    top: Array  # [N, T, Hkv, G] the largest score seen (_MASKED: no key seen)
+    top: Array  # [N, T, Hkv, G] the largest score seen (MASKED: no key seen)
     total: Array  # [N, T, Hkv, G] sum of exp(score - top)
 
 
@@ -74,7 +74,7 @@ def partial(q: Array, k: Array, v: Array, visible: Array) -> Partial:
         def to_rows(x):  # [N, Hkv, G, T, ...] -> [N, T, Hkv, G, ...]
             return jnp.moveaxis(x, 3, 1)
 
-    s = jnp.where(seen, s / jnp.sqrt(d), _MASKED)
+    s = jnp.where(seen, s / jnp.sqrt(d), MASKED)
     top = s.max(-1)
     w = jnp.exp(s - top[..., None])
     return Partial(to_rows(weigh(w)), to_rows(top), to_rows(w.sum(-1)))

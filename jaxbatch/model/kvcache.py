@@ -2,7 +2,8 @@
 
 The slot layout keeps each layer's positions of every slot in a few segments, each
 `[num_slots, kv_heads, segment_len, head_dim]`; the paged layout keeps a pool of
-`[num_blocks, kv_heads, block_size, head_dim]` blocks per layer. Both are head-major, so a read
+`[kv_heads, num_blocks, block_size, head_dim]` per layer (the layout of JAX's Pallas paged
+attention kernel). Both are head-major, so a read
 gives each row its keys as `[kv_heads, positions, head_dim]`: attention is then a batched matmul
 with no transpose of the context. A pass addresses either layout through a
 CacheIndex: each row's slot, token positions, real tokens and (paged) its block table. A pass may
@@ -122,8 +123,9 @@ class SlotCache:
 
 @struct.dataclass
 class PagedCache:
-    """Per layer K and V of shape [num_blocks, kv_heads, block_size, head_dim]; a row reaches its
-    positions through its block table (position p lives at block_table[p // bs], p % bs)."""
+    """Per layer K and V of shape [kv_heads, num_blocks, block_size, head_dim] (as the Pallas
+    paged attention kernel reads them); a row reaches its positions through its block table
+    (position p lives at block_table[p // bs], p % bs)."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -140,16 +142,14 @@ class PagedCache:
         blocks = index.block_table[:, :n_read]  # [N, n_read]; past a row's length: masked later
 
         def gather(layer_cache):
-            ctx = (
-                layer_cache.at[blocks].get(mode="clip").transpose(0, 2, 1, 3, 4)
-            )  # N H n_read bs D
-            n, h, _, _, d = ctx.shape
+            ctx = layer_cache.at[:, blocks].get(mode="clip").transpose(1, 0, 2, 3, 4)
+            n, h, _, _, d = ctx.shape  # [N, H, n_read, bs, D]
             return ctx.reshape(n, h, n_read * bs, d)[:, :, :ctx_len]
 
         return [(gather(self.k[layer]), gather(self.v[layer]), 0)]
 
     def write_layer(self, layer: int, k: Array, v: Array, index: CacheIndex) -> PagedCache:
-        bs, num_blocks = self.block_size, self.k[0].shape[0]
+        bs, num_blocks = self.block_size, self.k[0].shape[1]
         table = index.block_table
         logical = jnp.minimum(index.positions // bs, table.shape[1] - 1)
         block = jnp.take_along_axis(table, logical, axis=1)
@@ -159,7 +159,9 @@ class PagedCache:
         return _put(
             self,
             layer,
-            lambda old, new: old.at[block, :, offset].set(new.astype(old.dtype), mode="drop"),
+            lambda old, new: old.at[:, block, offset].set(
+                new.transpose(2, 0, 1, 3).astype(old.dtype), mode="drop"
+            ),
             k,
             v,
         )
@@ -168,7 +170,7 @@ class PagedCache:
 
 
 def init_paged_cache(spec: ModelSpec, num_blocks: int, block_size: int) -> PagedCache:
-    shape = (num_blocks, spec.n_kv_heads, block_size, spec.head_dim)
+    shape = (spec.n_kv_heads, num_blocks, block_size, spec.head_dim)
     zeros = tuple(jnp.zeros(shape, spec.kv_jnp_dtype) for _ in range(spec.n_layers))
     return PagedCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jaxbatch.model.attention import Partial, causal, merge, partial
+from jaxbatch.model.kernels import fused_partial, paged_decode
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 
 
@@ -28,15 +29,21 @@ def pass_attention(
     index: CacheIndex,
     ctx_len: int,
     written: bool,
+    attention: str = "xla",
 ) -> Array:
     """q [N, T, H, D] and this pass's k, v [N, T, Hkv, D] -> [N, T, H, D]. `ctx_len`: cached
     positions read per row (0: none, a pass whose rows all start at position 0)."""
+    decode = index.slots is None and not index.tiles and q.shape[1] == 1
+    if attention == "pallas" and written and ctx_len and decode and isinstance(cache, PagedCache):
+        return merge([paged_decode(q, cache.k[layer], cache.v[layer], index.positions,
+                                   index.valid, index.block_table)], q.dtype)  # fmt: skip
+    part = fused_partial if attention == "cudnn" else partial
     parts = []
     if ctx_len:
         read = _cached_flat if index.tiles else _cached_rows
-        parts += read(q, cache, layer, index, ctx_len, written)
+        parts += read(q, cache, layer, index, ctx_len, written, part)
     if not (written and ctx_len):
-        parts.append(_own(q, k, v, index))
+        parts.append(_own(q, k, v, index, part))
     return merge(parts, q.dtype)
 
 
@@ -51,21 +58,21 @@ def _visible(kv_pos: Array, q_pos: Array, first: Array, written: bool) -> Array:
     )
 
 
-def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, written: bool):
+def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, written: bool, part):
     """The rows' partials over their slots' cached context, one per segment the cache holds it
     in. `first`: per row, the first position this pass feeds for its slot."""
     return [
-        partial(q, k, v, _visible(start + jnp.arange(k.shape[2]), index.positions, first, written))
+        part(q, k, v, _visible(start + jnp.arange(k.shape[2]), index.positions, first, written))
         for k, v, start in cache.read(layer, index, ctx_len)
     ]
 
 
-def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool):
+def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool, part):
     """Each row is its slot's only row: it reads its slot's context once."""
-    return _read(q, cache, layer, index, ctx_len, index.positions[:, 0], written)
+    return _read(q, cache, layer, index, ctx_len, index.positions[:, 0], written, part)
 
 
-def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool):
+def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool, part):
     """A flat pass. Each slot's last row (a decode's only row, a chunk's last) reads its slot's
     context once, one query per slot as in a decode pass; the slot's other rows (a prompt
     chunk's) read it once per tile of `index.tile` consecutive rows. Each row gets its result."""
@@ -83,7 +90,9 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     # Every slot's last row, row s = slot s: the decode pass's layout and read.
     table = None if index.block_table is None else index.block_table[last]
     group = CacheIndex(None, pos[last][:, None], held[:, None], table)
-    by_slot = _read(q[last], cache, layer, group, ctx_len, first_pos, written)  # [slots, 1, ..]
+    by_slot = _read(  # [slots, 1, ...]
+        q[last], cache, layer, group, ctx_len, first_pos, written, part
+    )
 
     # The other rows, tiled within their slot.
     chunk = valid & ~is_last
@@ -101,7 +110,8 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     head = jnp.minimum(tile_row0, r - 1)
     table = None if index.block_table is None else index.block_table[head]
     tiles = CacheIndex(slot[head], pos[members], member_ok, table)
-    tiled = _read(q[members, 0], cache, layer, tiles, ctx_len, first_pos[slot_ok[head]], written)
+    first_tiled = first_pos[slot_ok[head]]
+    tiled = _read(q[members, 0], cache, layer, tiles, ctx_len, first_tiled, written, part)
 
     at_tile = (jnp.clip(tile_of, 0, index.tiles - 1), offset % size)
     pick = lambda x, y: jnp.where(  # noqa: E731
@@ -113,15 +123,15 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     ]
 
 
-def _own(q, k, v, index: CacheIndex) -> Partial:
+def _own(q, k, v, index: CacheIndex, part) -> Partial:
     """The keys this pass computes: a row's own tokens, or (flat) every row of the same slot,
     each seen by the queries at or after its position."""
     pos, valid = index.positions, index.valid
     if not index.tiles:
         heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-        return partial(q, heads_first(k), heads_first(v), causal(pos, pos) & valid[:, None, :])
+        return part(q, heads_first(k), heads_first(v), causal(pos, pos) & valid[:, None, :])
     slots = index.row_slots
     same = (slots[:, None] == slots[None, :]) & valid[None, :, 0]
     seen = same & (pos[None, :, 0] <= pos[:, 0, None])
     shared = lambda x: x[:, 0].transpose(1, 0, 2)  # noqa: E731  [R, 1, Hkv, D] -> [Hkv, R, D]
-    return partial(q, shared(k), shared(v), seen[:, None, :])
+    return part(q, shared(k), shared(v), seen[:, None, :])

@@ -28,6 +28,7 @@ class ModelSpec:
     head_size: int = 0  # per attention head; 0: d_model // n_heads
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     tie_embeddings: bool = False  # the output head is the embedding's transpose
+    attention: str = "xla"  # the attention kernel (model/kernels.py); xla: the portable matmuls
 
     @property
     def head_dim(self) -> int:

@@ -62,7 +62,9 @@ class Block(nn.Module):
         else:
             if write:  # then attention reads this pass's K/V from the cache with the rest
                 cache = cache.write_layer(self.layer, k, v, index)
-            out = pass_attention(q, k, v, cache, self.layer, index, ctx_len, written=write)
+            out = pass_attention(
+                q, k, v, cache, self.layer, index, ctx_len, written=write, attention=s.attention
+            )
         x = x + dense(s.d_model, axis=(-2, -1), name="o")(out)
         h = RMSNorm(s.norm_eps, name="mlp_norm")(x)
         gate = nn.silu(dense(s.d_mlp, name="gate")(h))
