@@ -19,7 +19,7 @@ from jaxbatch.model.spec import DTYPES, ModelSpec
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
 PRESETS = (  # configs/model/: dimensions of public models, for the cost model
     "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
-    "gpt3_13b", "gpt3_175b", "opt_13b",
+    "gpt3_13b", "gpt3_175b", "opt_13b", "llama3_2_1b",
 )  # fmt: skip
 MODEL_NAMES = ("tiny", "small", "custom", "hf", *PRESETS)
 HARDWARE_NAMES = (

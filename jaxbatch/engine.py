@@ -63,6 +63,13 @@ class RunResult:
     wall_s: float  # host wall time of the loop
     interrupted: bool = False  # stopped early (Ctrl-C): the record holds the passes done
 
+    def request_logits(self) -> dict[int, np.ndarray]:
+        """Per request, the logits [outputs, V] that produced its output tokens, in order."""
+        rec, out = self.record, {}
+        for p, b in zip(*np.nonzero(rec.emits)):
+            out.setdefault(int(rec.req[p, b]), []).append(self.logits[p][b])
+        return {i: np.stack(v) for i, v in sorted(out.items())}
+
 
 def kv_live(state: SchedState, holder: Array) -> Array:
     """KV positions holding the cached tokens of the requests in `holder` (per slot, -1 free)."""

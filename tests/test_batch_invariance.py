@@ -16,10 +16,7 @@ BUDGETS = [10, 3, 17, 6, 12, 8]
 
 def per_request_logits(result, num_requests):
     """The logits that produced each output token, in order, per request."""
-    rec, out = result.record, {i: [] for i in range(num_requests)}
-    for p, b in zip(*np.nonzero(rec.emits)):
-        out[int(rec.req[p, b])].append(result.logits[p][b])
-    return {i: np.stack(v) for i, v in out.items() if v}
+    return {i: x for i, x in result.request_logits().items() if i < num_requests}
 
 
 @pytest.fixture(scope="module")

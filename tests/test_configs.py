@@ -44,7 +44,7 @@ def _composed_with(overrides: list[str]) -> Config:
         ("llama2_7b", 6_738_415_616), ("llama2_13b", 13_015_864_320),
         ("llama2_70b", 68_976_648_192), ("llama3_8b", 8_030_261_248),
         ("llama3_70b", 70_553_706_496), ("mistral_7b", 7_241_732_096),
-        ("qwen2_5_7b", 7_615_616_512 - 129_024),
+        ("qwen2_5_7b", 7_615_616_512 - 129_024), ("llama3_2_1b", 1_235_814_400),
     ],
 )  # fmt: skip
 def test_model_presets_have_the_released_sizes(model, params):
