@@ -13,9 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
-from jaxbatch.cli import CONFIG_DIR  # noqa: E402
 from jaxbatch.config import (  # noqa: E402
     Config,
     EngineConfig,
@@ -24,6 +22,7 @@ from jaxbatch.config import (  # noqa: E402
     OutputConfig,
     PolicyConfig,
     WorkloadConfig,
+    model_preset,
 )
 from jaxbatch.model.spec import ModelSpec  # noqa: E402
 from jaxbatch.sched.state import DECODE, Plan  # noqa: E402
@@ -32,8 +31,7 @@ from jaxbatch.sched.state import DECODE, Plan  # noqa: E402
 def model_config(model: str) -> ModelConfig:
     """A model name (see above) as its config."""
     name, _, kv = model.partition("-kv")
-    fields = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml"))
-    cfg = ModelConfig(**fields)
+    cfg = model_preset(name)
     if kv:
         cfg.n_kv_heads = int(kv)
     return cfg

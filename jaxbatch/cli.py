@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from jaxbatch import tasks
 from jaxbatch.backend.compilation import cache_dir
-from jaxbatch.config import Config, ConfigError, register, validate
+from jaxbatch.config import CONFIG_DIR, Config, ConfigError, register, validate
 from jaxbatch.engine import RunResult
 from jaxbatch.interrupt import Interrupt, never
 from jaxbatch.report import files
@@ -34,8 +35,6 @@ from jaxbatch.sched.state import FINISHED, INTERRUPTED, REJECTED
 from jaxbatch.workload import WorkloadError, from_config, tokenizer
 
 register()
-# The configs live beside the package (DESIGN.md layout); an editable install finds them here.
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 def execute(
@@ -98,6 +97,10 @@ def execute(
         metrics["mean_pass_s"] = result.wall_s / max(rec.num_passes, 1)
         latencies = ("ttft", "tpot", "itl", "e2e")
         metrics["in_passes"] = {k: in_passes[f"{k}_s"] for k in latencies}
+    if cfg.workload.kind == "task" and result.outputs is not None:
+        done = np.flatnonzero(status == FINISHED)
+        right = [tasks.is_correct(workload.tokens[i], result.outputs[i]) for i in done]
+        metrics["task_accuracy"] = float(np.mean(right)) if right else None
     out_dir.mkdir(parents=True, exist_ok=True)
     ran_on = provenance()
     (out_dir / "provenance.json").write_text(json.dumps(ran_on, indent=2) + "\n")
@@ -208,7 +211,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def _stop_sweep(sweep_dir: Path) -> None:
-    rows = summarize_sweep(sweep_dir)
+    rows, _ = summarize_sweep(sweep_dir)
     print(
         f"jaxbatch: sweep interrupted: {len(rows)} runs summarised in {sweep_dir}/summary.csv",
         file=sys.stderr,

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from jaxbatch.model.hf import CheckpointError, read_config
 from jaxbatch.model.kernels import ATTENTION, choose
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
+# The configs live beside the package (DESIGN.md layout); an editable install finds them here.
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
 PRESETS = (  # configs/model/: dimensions of public models, for the cost model
     "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
     "gpt3_13b", "gpt3_175b", "opt_13b", "llama3_2_1b",
 )  # fmt: skip
-MODEL_NAMES = ("tiny", "small", "custom", "hf", *PRESETS)
+MODEL_NAMES = ("tiny", "small", "tiny_trained", "custom", "hf", *PRESETS)
 HARDWARE_NAMES = (
     "none", "a100_40gb", "a100_80gb", "h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e",
     "cpu_local", "custom",
@@ -60,6 +64,8 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     eos_id: int = -1  # the model's end-of-sequence id (config.json's, with model=hf); -1: none
+    # A directory jaxbatch-train wrote (orbax params, model.json): its weights (tiny_trained).
+    checkpoint: str = ""
     # xla (portable) | cudnn (GPU, bfloat16) | pallas (TPU, paged memory): see model/kernels.py.
     # Where the kernel cannot run, validation says why once and sets xla.
     attention: str = "xla"
@@ -72,6 +78,12 @@ class ModelConfig:
             head_size=self.head_dim, rope_theta=self.rope_theta, norm_eps=self.norm_eps,
             qkv_bias=self.qkv_bias, tie_embeddings=self.tie_embeddings, attention=self.attention,
         )  # fmt: skip
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A model of configs/model/ by name, as Hydra would compose it."""
+    fields = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml"))
+    return ModelConfig(**fields)
 
 
 def resolve_model(m: ModelConfig) -> None:
@@ -112,7 +124,9 @@ class LengthConfig:
 
 @dataclass
 class WorkloadConfig:
-    kind: str = "synthetic"  # synthetic | trace | text (JSONL prompts, model=hf's tokenizer)
+    # synthetic | trace | text (JSONL prompts, model=hf's tokenizer) | task (tasks.py's digit
+    # prompts, for a model jaxbatch-train trained: its EOS decides each output's length)
+    kind: str = "synthetic"
     num_requests: int = 32
     arrival: str = "offline"  # offline | poisson | gamma
     rate: float = 10.0  # requests/s for poisson and gamma
@@ -126,6 +140,7 @@ class WorkloadConfig:
     time_scale: float = 1.0  # multiplies trace arrival times
     length_scale: float = 1.0  # multiplies trace prompt lengths (and outputs, unless output_scale)
     output_scale: float = 0.0  # multiplies trace output lengths; 0: use length_scale
+    max_digits: int = 12  # task: digits per prompt, at most (output budget: max_digits + 4)
 
 
 @dataclass
@@ -222,6 +237,12 @@ def validate(cfg: Config) -> None:
     _one_of("model.name", m.name, MODEL_NAMES)
     if m.name == "hf" and not m.path:
         raise ConfigError("model.path", m.path, "model=hf reads a local Hugging Face directory")
+    if m.name == "tiny_trained" and not m.checkpoint:
+        raise ConfigError(
+            "model.checkpoint", m.checkpoint, "model=tiny_trained loads what jaxbatch-train wrote"
+        )
+    if m.path and m.checkpoint:
+        raise ConfigError("model.checkpoint", m.checkpoint, "give model.path or model.checkpoint")
     resolve_model(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "max_len"):
         _positive(f"model.{name}", getattr(m, name))
@@ -252,14 +273,19 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"policy.{name}", getattr(p, name), "must be >= 0 (0: no limit)")
     if p.max_wait_s < 0:
         raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
-    _one_of("workload.kind", w.kind, ("synthetic", "trace", "text"))
-    if w.kind == "synthetic":
+    _one_of("workload.kind", w.kind, ("synthetic", "trace", "text", "task"))
+    if w.kind in ("synthetic", "task"):
         _positive("workload.num_requests", w.num_requests)
         _one_of("workload.arrival", w.arrival, ("offline", "poisson", "gamma"))
         _positive("workload.priority_levels", w.priority_levels)
         if w.arrival != "offline":
             _positive("workload.rate", w.rate)
             _positive("workload.burstiness", w.burstiness)
+    if w.kind == "task":
+        _positive("workload.max_digits", w.max_digits)
+        if m.vocab_size < 20:
+            raise ConfigError("model.vocab_size", m.vocab_size, "task prompts use ids 0..19")
+    elif w.kind == "synthetic":
         for part in ("prompt", "output"):
             d: LengthConfig = getattr(w, part)
             _one_of(f"workload.{part}.dist", d.dist, ("fixed", "uniform", "lognormal"))

@@ -29,6 +29,7 @@ from jaxbatch.config import Config, ConfigError
 from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.engine import RunResult, run
 from jaxbatch.interrupt import never
+from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
 from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.sched.blocks import MemorySpec
@@ -155,9 +156,15 @@ def eos_id(cfg: Config) -> int:
 
 
 def model_params(cfg: Config) -> dict:
-    """The model's weights: its checkpoint's (`model.path`), else random from `model.seed`;
-    stored in `model.dtype` (`transformer.stored`)."""
+    """The model's weights: a Hugging Face checkpoint's (`model.path`), a trained one's
+    (`model.checkpoint`), else random from `model.seed`; stored in `model.dtype`
+    (`transformer.stored`)."""
     spec = cfg.model.spec()
+    if cfg.model.checkpoint:
+        try:
+            return jax.device_put(stored(spec, load_trained(cfg.model.checkpoint, spec)))
+        except TrainedCheckpointError as err:
+            raise ConfigError("model.checkpoint", cfg.model.checkpoint, str(err)) from None
     if not cfg.model.path:
         return init_params(spec, cfg.model.seed)
     try:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxbatch import tasks
+
 # Lengths are held as int64 and capped here: a trace count beyond any model (20 digits, say) is kept
 # as this cap, which every model's max_len rejects, instead of overflowing.
 LENGTH_CAP = 2**40
@@ -32,7 +34,7 @@ class Workload:
     priority: np.ndarray = field(default=None)  # [N] int64, 0 when unset
     seed: int = 0
     ids: np.ndarray = field(default=None)  # [N] identity: seeds the prompt and the sampling
-    tokens: tuple | None = None  # each request's prompt token ids (text workloads); else seeded
+    tokens: tuple | None = None  # each prompt's token ids (text and task workloads); else seeded
 
     def __post_init__(self):
         n = len(self.arrival)
@@ -237,6 +239,12 @@ def from_config(cfg, base_dir: Path | None = None, model_path: str = "") -> Work
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_requests
     arrival = arrivals(cfg.arrival, n, cfg.rate, cfg.burstiness, rng)
+    if cfg.kind == "task":  # the model's EOS ends each answer; the budget leaves room past it
+        prompts, _ = tasks.sample(rng, n, cfg.max_digits, tuple(tasks.TASKS))
+        return Workload(
+            arrival=arrival, prompt_len=np.array([len(x) for x in prompts]),
+            max_new=np.full(n, cfg.max_digits + 4), tokens=tuple(prompts), seed=cfg.seed,
+        )  # fmt: skip
     p, o = cfg.prompt, cfg.output
     prompt = lengths(p.dist, p.mean, p.low, p.high, p.sigma, n, rng)
     output = lengths(o.dist, o.mean, o.low, o.high, o.sigma, n, rng)

@@ -25,9 +25,9 @@ from jaxbatch.workload import WorkloadError, read_trace
             "model",
             "name",
             "gpt5",
-            "model.name='gpt5' is not valid: use one of tiny, small, custom, hf, llama2_7b, "
-            "llama2_13b, llama2_70b, llama3_8b, llama3_70b, mistral_7b, qwen2_5_7b, gpt3_13b, "
-            "gpt3_175b, opt_13b",
+            "model.name='gpt5' is not valid: use one of tiny, small, tiny_trained, custom, hf, "
+            "llama2_7b, llama2_13b, llama2_70b, llama3_8b, llama3_70b, mistral_7b, qwen2_5_7b, "
+            "gpt3_13b, gpt3_175b, opt_13b, llama3_2_1b",
         ),
         ("engine", "num_slots", 0, "engine.num_slots=0 is not valid: must be > 0"),
         ("model", "d_model", -8, "model.d_model=-8 is not valid: must be > 0"),

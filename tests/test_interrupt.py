@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxbatch.report import rebuild as report
+
 ROOT = Path(__file__).parents[1]
 MODEL = [
     "model.name=custom", "model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
@@ -96,7 +98,7 @@ def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
         assert (tmp_path / name).stat().st_size > 0
 
 
-def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     small = [*MODEL, "engine.compile_cache=off", "workload.num_requests=4", "output.plots=false"]
     proc = _start(["-m", f"hydra.sweep.dir={tmp_path}", *small, "engine.num_slots=0,2"])
     _, err = proc.communicate(timeout=300)
@@ -106,6 +108,18 @@ def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert rows[0]["error"] == "ConfigError: engine.num_slots=0 is not valid: must be > 0"
     assert rows[0]["num_passes"] == "" and int(rows[1]["num_finished"]) == 4
     assert "1 of 2 jobs failed (jobs 0)" in err.decode()
+    # jaxbatch-report rebuilds the summary from the job directories alone, and skips a job
+    # directory that never ended.
+    summary = (tmp_path / "summary.csv").read_bytes()
+    for made in (tmp_path / "summary.csv", *tmp_path.glob("*.png")):
+        made.unlink()
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)
+    assert report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "summary.csv").read_bytes() == summary
+    for name in ("timelines.png", "metrics.png", "tradeoff.png", "latency_cdf.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    err = capsys.readouterr().err
+    assert "skipped 2: no metrics.json or error.json: the job never ended" in err
 
 
 def test_an_interrupted_sweep_keeps_the_summary_of_its_jobs(tmp_path):

@@ -123,3 +123,54 @@ def plot_memory(record: Record, capacity: int, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_tradeoff(labels: list[str], throughput: list[float], latency: dict[str, list[float]],
+                  path: Path) -> None:  # fmt: skip
+    """Throughput against latency: one panel per latency metric, one point per run."""
+    fig, axes = plt.subplots(1, len(latency), figsize=(4 * len(latency), 3.4), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, (name, values) in zip(axes[0], latency.items()):
+        for i, (label, x, y) in enumerate(zip(labels, values, throughput)):
+            ax.scatter(x, y, color=colors[i % 10], label=label, s=24)
+        ax.set_xlabel(f"{name} (s)")
+        ax.set_ylabel("output tok/s")
+    axes[0, 0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cdfs(series: dict[str, dict[str, np.ndarray]], path: Path) -> None:
+    """Empirical CDFs of per-request latencies: one panel per metric, one line per run."""
+    metrics = list(next(iter(series.values())))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, values in series.items():
+            x = np.sort(values[metric][np.isfinite(values[metric])])
+            if len(x):
+                ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
+        ax.set_xlabel(f"{metric} (s)")
+        ax.set_ylabel("share of requests")
+    axes[0, 0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_against(field: str, lines: dict[str, tuple[list, dict[str, list[float]]]],
+                 path: Path) -> None:  # fmt: skip
+    """Metrics against one swept field: one panel per metric, one line per value of the other
+    swept fields (`lines`: label -> (the field's values, metric -> values))."""
+    metrics = list(next(iter(lines.values()))[1])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, (xs, ys) in lines.items():
+            ax.plot(xs, ys[metric], marker="o", label=label or None)
+        ax.set_xlabel(field)
+        ax.set_title(metric, fontsize=9)
+    if any(lines):
+        axes[0, 0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
