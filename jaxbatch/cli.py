@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from jaxbatch import tasks
+from jaxbatch import resume, tasks
 from jaxbatch.backend.compilation import cache_dir
 from jaxbatch.config import CONFIG_DIR, Config, ConfigError, register, validate
 from jaxbatch.engine import RunResult
@@ -48,9 +48,12 @@ def execute(
     A run that `stop()` ends early writes every file for the passes done; the requests it left
     unfinished are `interrupted` in requests.csv, and metrics.json says `"interrupted": true`.
     `result`: the run already done (a member of a swept program, see `vmap_launcher`)."""
+    if cfg.resume:
+        cfg = resume.config_of(cfg.resume)
     validate(cfg)
     workload = from_config(cfg.workload, base_dir, cfg.model.path)
-    result = result or simulate(cfg, workload, stop=stop)
+    saves = out_dir / "checkpoint" if cfg.engine.loop == "host" else None
+    result = result or simulate(cfg, workload, stop=stop, checkpoint_dir=saves)
     spec, rec, final = cfg.model.spec(), result.record, result.final
     memory = memory_spec(cfg)
     status = np.asarray(final.status)
@@ -87,6 +90,7 @@ def execute(
         "compile_cache": str(cache_dir(cfg.engine.compile_cache) or "off"),
         "warmup_s": result.warmup_s,
         "wall_s": result.wall_s,
+        "resumed_from": cfg.resume or None,
     }
     if cfg.engine.loop == "device" and cfg.engine.clock == "measured":
         # Timed as a whole: latencies in passes are its exact clock.
@@ -200,6 +204,10 @@ def main(cfg: DictConfig) -> None:
     print(f"  outputs in {out_dir}")
     if metrics["interrupted"]:
         unfinished = metrics["num_requests"] - metrics["num_finished"] - metrics["num_rejected"]
+        saved = resume.latest_step(out_dir / "checkpoint")
+        if saved is not None:
+            print(f"jaxbatch: checkpoint of pass {saved} in {out_dir / 'checkpoint'}; continue "
+                  f"the run with: jaxbatch resume={out_dir}", file=sys.stderr)  # fmt: skip
         print(
             f"jaxbatch: interrupted after {metrics['num_passes']} passes: {unfinished} requests "
             f"left unfinished (status interrupted); outputs in {out_dir}",

@@ -199,6 +199,9 @@ class OutputConfig:
     tokens: bool = False  # write tokens.jsonl
     plots: bool = True
     progress: bool = True
+    # Host loop: save the run's whole state into its checkpoint/ every this many passes (0: only
+    # when Ctrl-C stops it); `resume=DIR` continues from the latest (resume.py).
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -220,6 +223,9 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    # A run's output directory whose checkpoint/ to continue from: the run goes on with the
+    # config saved there (every other setting on the command line is ignored).
+    resume: str = ""
 
 
 def _positive(name: str, value) -> None:
@@ -310,6 +316,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 "workload.output_scale", w.output_scale, "must be >= 0 (0: length_scale)"
             )
+    if cfg.output.checkpoint_every < 0:
+        raise ConfigError(
+            "output.checkpoint_every", cfg.output.checkpoint_every, "must be >= 0 (0: off)"
+        )
+    if (cfg.output.checkpoint_every or cfg.resume) and e.loop != "host":
+        raise ConfigError("engine.loop", e.loop, "checkpoints and resume need the host loop")
     _one_of("engine.backend", e.backend, BACKENDS)
     _positive("engine.num_slots", e.num_slots)
     _one_of("engine.clock", e.clock, CLOCKS)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Protocol
 
 import jax
@@ -34,6 +35,7 @@ from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.clock import Clock
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, Recorder
+from jaxbatch.resume import Carry, Checkpoints, restore
 from jaxbatch.sched.policies import Policy, PolicyParams
 from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan, SchedState
 
@@ -47,6 +49,8 @@ class Backend(Protocol):
     ) -> tuple[Array, Array | None]: ...
     def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]: ...
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray] | None: ...
+    def carry(self) -> tuple: ...  # its device buffers, which a checkpoint saves
+    def keep(self, carry: tuple) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -152,10 +156,14 @@ def run(
     max_passes: int = 10_000_000,
     arrival: np.ndarray | None = None,
     stop: Callable[[], bool] = never,
+    checkpoints: Checkpoints | None = None,
+    resume_from: Path | None = None,
 ) -> RunResult:
     """Run every request to the end, or until `stop()` says to (checked between passes and
     between warm-up shapes). `arrival` holds the requests' exact (float64) arrival times, which
-    `state.arrival` holds rounded to float32; the clock keeps them exact (`clock.Clock`)."""
+    `state.arrival` holds rounded to float32; the clock keeps them exact (`clock.Clock`).
+    `checkpoints` saves the loop's carry every so many passes and where `stop()` ends it;
+    `resume_from` continues from the latest checkpoint in that directory (resume.py)."""
     schedule, step = jax.jit(policy.schedule), _stepper(policy)
     times = Clock(np.asarray(state.arrival) if arrival is None else arrival)
     state = times.rebase(state, 0.0)
@@ -184,7 +192,25 @@ def run(
     prompt_len, max_new = np.asarray(state.prompt_len), np.asarray(state.max_new)
     ends = np.zeros(state.num_slots, np.int64)  # see next_ends
     ahead = None  # (shape, tokens, logits) of a decode pass dispatched before its plan was seen
-    state, plan = schedule(state.replace(now=times.device(now)), params)
+
+    def carry() -> Carry:
+        return Carry(state, plan, backend.carry(), recorder.columns(), now, times.origin, passes,
+                     ends, ahead is not None)  # fmt: skip
+
+    resumed = None
+    if resume_from is not None:
+        like = Carry(state, warm_plan, backend.carry(), {}, 0.0, 0.0, 0, ends, False)
+        resumed = restore(resume_from, like)
+        state, plan, now, passes = resumed.state, resumed.plan, resumed.now, resumed.passes
+        times.origin, ends, skipped = resumed.origin, resumed.ends, resumed.now
+        backend.keep(resumed.backend)
+        recorder.resume(resumed.record)
+        bar.update(int(np.asarray(state.num_generated).sum()))
+        if resumed.ahead:  # as the interrupted run dispatched it (rewriting the same K/V)
+            guess = backend.buckets.decode(int(ends.max()) + 1)
+            ahead = (guess, *backend.decode(plan, guess))
+    else:
+        state, plan = schedule(state.replace(now=times.device(now)), params)
     plan_h = jax.device_get(plan)
     while not stop():
         if int(plan_h.kind) == IDLE:
@@ -231,6 +257,10 @@ def run(
             logits.append(np.asarray(pass_logits))
         bar.update(recorder.add(now, end - now, plan_h, holder, shape, kv, reserved))
         now, plan, plan_h, passes = end, next_plan, next_h, passes + 1
+        if checkpoints and checkpoints.due(passes):
+            checkpoints.save(carry())
+    if checkpoints and stop():
+        checkpoints.save(carry())
     wall_s = time.perf_counter() - loop_start
     bar.close()
     final, interrupted = jax.device_get(state), stop()
@@ -244,7 +274,7 @@ def run(
         record=recorder.finish(state.num_slots),
         final=final,
         outputs=backend.outputs(np.asarray(final.num_generated)),
-        logits=logits or None,
+        logits=None if resumed else logits or None,  # a resumed run has only the later passes
         duration_s=now,
         warmup_s=warmup_s,
         num_compiles=num_compiles() - compiles0,

@@ -8,10 +8,13 @@ field; nothing here writes files (see `cli`).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
+from omegaconf import OmegaConf
 
 from jaxbatch.backend.buckets import pow2_at_least
 from jaxbatch.backend.compilation import cache_dir, use_cache
@@ -32,6 +35,7 @@ from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
 from jaxbatch.model.transformer import init_params, stored
+from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
@@ -228,10 +232,13 @@ def _max_passes(fed: int, memory: MemorySpec) -> int:
 
 
 def simulate(
-    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never
-) -> RunResult:
+    cfg: Config, workload: Workload, with_logits: bool = False, stop: Callable[[], bool] = never,
+    checkpoint_dir: Path | None = None,
+) -> RunResult:  # fmt: skip
     """Run a validated config on a workload; requests that can never fit are rejected up front.
-    The run ends early, with what it did, once `stop()` says so (see `interrupt`)."""
+    The run ends early, with what it did, once `stop()` says so (see `interrupt`). A host-loop
+    run with `checkpoint_dir` saves its checkpoints there (`output.checkpoint_every`, and where
+    `stop()` ends it); with `cfg.resume` it continues from that run's latest (resume.py)."""
     e = cfg.engine
     policy, params, state, backend, memory, shapes, fed = _prepare(cfg, workload, with_logits)
     if e.loop == "device":
@@ -241,10 +248,18 @@ def simulate(
             policy, params, state, backend, _max_passes(fed, memory), e.clock,
             cfg.output.progress, stop, workload.arrival,
         )  # fmt: skip
-    return run(
+    checkpoints = None
+    if checkpoint_dir is not None:
+        yaml = OmegaConf.to_yaml(OmegaConf.structured(dataclasses.replace(cfg, resume="")))
+        checkpoints = Checkpoints(checkpoint_dir, cfg.output.checkpoint_every, yaml)
+    result = run(
         policy, params, state, backend, shapes, e.clock, cfg.output.progress,
-        arrival=workload.arrival, stop=stop,
+        arrival=workload.arrival, stop=stop, checkpoints=checkpoints,
+        resume_from=Path(cfg.resume) / "checkpoint" if cfg.resume else None,
     )  # fmt: skip
+    if checkpoint_dir is not None and not result.interrupted:  # a finished run needs none
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    return result
 
 
 def sweep_key(cfg: Config) -> str | None:

@@ -258,6 +258,13 @@ class Runner:
         `shape`, the pass feeds nothing (see `decode_rows`)."""
         return self._call(shape, plan)
 
+    def carry(self) -> tuple:
+        """The device buffers a pass reads and writes: the KV cache and the token buffer."""
+        return self.cache, self.token_buf
+
+    def keep(self, carry: tuple) -> None:
+        self.cache, self.token_buf = carry
+
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
         """Each request's output token ids, read back once at the end of a run."""
         buf, plen = np.asarray(self.token_buf), np.asarray(self.prompt_len)

@@ -57,11 +57,11 @@ class RunnerStep:
 
     def carry(self) -> tuple:
         """Device arrays the step reads and writes: the loop carries (and donates) them."""
-        return self.runner.cache, self.runner.token_buf
+        return self.runner.carry()
 
     def keep(self, carry: tuple) -> None:
         """The loop's final carry back into the runner (outputs are read from its buffer)."""
-        self.runner.cache, self.runner.token_buf = carry
+        self.runner.keep(carry)
 
     def device_step(self, consts, carry, plan: Plan, skip, warm_branch):
         """One pass of `plan` (nothing if `skip`; branch `warm_branch` instead if >= 0): returns

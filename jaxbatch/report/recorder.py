@@ -111,6 +111,14 @@ class Recorder:
         self._rows.append(tuple(row[k] for k in FIELDS))  # a tuple: the smallest host row
         return int(emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len).sum())
 
+    def columns(self) -> dict:
+        """The rows so far as one array per field ([passes] or [passes, slots]): a checkpoint's."""
+        return {k: np.asarray(v) for k, v in zip(FIELDS, zip(*self._rows))} if self._rows else {}
+
+    def resume(self, columns: dict) -> None:
+        """Continue after the rows of `columns` (see `columns`)."""
+        self._rows = list(zip(*(columns[k] for k in FIELDS))) if columns else []
+
     def finish(self, num_slots: int) -> Record:
         cols = dict(zip(FIELDS, zip(*self._rows), strict=True)) if self._rows else {}
         return from_columns(cols, self._prompt_len, num_slots)
