@@ -172,6 +172,10 @@ def run(
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     backend.warmup(warmup_shapes, stop)
+    resumed = None  # restored within warm-up: orbax compiles its own copies
+    if resume_from is not None:
+        like = Carry(state, warm_plan, backend.carry(), {}, 0.0, 0.0, 0, np.zeros(0), False)
+        resumed = restore(resume_from, like)
     warmup_s = time.perf_counter() - t0
     compiles_warm = num_compiles()
 
@@ -197,10 +201,7 @@ def run(
         return Carry(state, plan, backend.carry(), recorder.columns(), now, times.origin, passes,
                      ends, ahead is not None)  # fmt: skip
 
-    resumed = None
-    if resume_from is not None:
-        like = Carry(state, warm_plan, backend.carry(), {}, 0.0, 0.0, 0, ends, False)
-        resumed = restore(resume_from, like)
+    if resumed:
         state, plan, now, passes = resumed.state, resumed.plan, resumed.now, resumed.passes
         times.origin, ends, skipped = resumed.origin, resumed.ends, resumed.now
         backend.keep(resumed.backend)

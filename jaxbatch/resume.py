@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
@@ -105,6 +106,17 @@ def latest_step(path: Path) -> int | None:
     return ocp.CheckpointManager(Path(path).resolve()).latest_step()
 
 
+def _placed_as(value, leaf):
+    """A restored array placed as the rebuilt run's own: on its devices if it was committed to
+    them (a mesh), else uncommitted, as the arrays the passes were compiled for (a committed
+    argument would compile them again)."""
+    if not isinstance(leaf, jax.Array):
+        return np.asarray(value)
+    if leaf.committed:
+        return jax.device_put(value, leaf.sharding)
+    return jnp.asarray(np.asarray(value))
+
+
 def restore(path: Path, like: Carry) -> Carry:
     """The latest checkpoint in `path`, into the structure (and device placement) of `like`, the
     freshly built run's own carry."""
@@ -112,11 +124,7 @@ def restore(path: Path, like: Carry) -> Carry:
     manager = ocp.CheckpointManager(path)
     saved = manager.restore(manager.latest_step())
     leaves, tree = jax.tree.flatten(_device_part(like))
-    placed = []
-    for i, leaf in enumerate(leaves):
-        value = saved["device"].get(str(i), leaf)
-        sharding = getattr(leaf, "sharding", None)
-        placed.append(value if sharding is None else jax.device_put(value, sharding))
+    placed = [_placed_as(saved["device"].get(str(i), leaf), leaf) for i, leaf in enumerate(leaves)]
     state, plan, backend = jax.tree.unflatten(tree, placed)
     loop = saved["loop"]
     return Carry(

@@ -96,6 +96,18 @@ def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
     )
     for name in ("timeline.png", "memory.png", "record.npz"):
         assert (tmp_path / name).stat().st_size > 0
+    if loop == "host":  # a checkpoint where it stopped, and the command that continues it
+        assert err.strip().splitlines()[-2] == (
+            f"jaxbatch: checkpoint of pass {m['num_passes']} in {tmp_path / 'checkpoint'}; "
+            f"continue the run with: jaxbatch resume={tmp_path}"
+        )
+        again = tmp_path / "resumed"
+        proc = _start([f"hydra.run.dir={again}", f"resume={tmp_path}"])
+        _interrupt(proc)
+        resumed = json.loads((again / "metrics.json").read_text())
+        assert resumed["resumed_from"] == str(tmp_path)
+        assert resumed["num_passes"] > m["num_passes"] and resumed["policy"] == policy
+        assert resumed["num_finished"] >= m["num_finished"]
 
 
 def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
