@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -65,3 +67,27 @@ def test_hardware_presets_compose_and_validate(hardware):
     validate(cfg)
     h = cfg.hardware
     assert h.name == hardware and min(h.peak_tflops, h.memory_gb_s, h.memory_gb, h.link_gb_s) > 0
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("timeline", {"policy": "static,continuous"}),
+        ("memory_budget", {"workload": "azure_conv,synthetic_mixed",
+                           "memory": "contiguous,contiguous_exact,paged",
+                           "memory.budget_mib": "4,8,16"}),
+        ("chunked_prefill", {"policy": "continuous,orca,chunked",
+                             "policy.token_budget": "64,256,1024"}),
+    ],
+)  # fmt: skip
+def test_each_study_has_an_experiment_preset_that_composes(name, params):
+    studies = {p.name for p in (Path(CONFIG_DIR).parent / "experiments").iterdir() if p.is_dir()}
+    assert studies == {p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml")}
+    register()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        hydra_cfg = compose("config", [f"+experiment={name}"], return_hydra_config=True)
+        cfg = OmegaConf.to_object(compose("config", [f"+experiment={name}"]))
+    assert dict(hydra_cfg.hydra.sweeper.params) == params
+    assert hydra_cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")
+    validate(cfg)
+    assert cfg.output.progress is False
