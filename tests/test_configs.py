@@ -78,6 +78,8 @@ def test_hardware_presets_compose_and_validate(hardware):
                            "memory.budget_mib": "4,8,16"}),
         ("chunked_prefill", {"policy": "continuous,orca,chunked",
                              "policy.token_budget": "64,256,1024"}),
+        ("trained_model", {"policy": "static,continuous,orca,chunked",
+                           "memory": "contiguous,paged"}),
     ],
 )  # fmt: skip
 def test_each_study_has_an_experiment_preset_that_composes(name, params):

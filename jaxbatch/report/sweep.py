@@ -26,6 +26,7 @@ HEADLINE = (
     "num_finished", "num_rejected", "num_preemptions", "num_passes", "duration_s",
     "output_throughput_tok_s", "request_throughput_req_s", "slot_utilization", "padding_waste",
     "kv_budget_tokens", "kv_peak_utilization", "kv_peak_live", "kv_mean_waste", "num_compiles",
+    "task_accuracy",
 )  # fmt: skip
 LATENCY = ("ttft_s", "tpot_s", "e2e_s")
 BARS = ("output_throughput_tok_s", "num_passes", "slot_utilization", "tpot_s.p50")
