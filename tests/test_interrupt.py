@@ -21,15 +21,24 @@ from jaxbatch.report import rebuild as report
 ROOT = Path(__file__).parents[1]
 MODEL = [
     "model.name=custom", "model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
-    "model.n_heads=4", "model.n_kv_heads=2", "model.d_mlp=128", "model.max_len=256",
+    "model.n_heads=4", "model.n_kv_heads=2", "model.d_mlp=128",
 ]  # fmt: skip
-# Long enough that no run ends before the signal: 3,000 requests of up to 200 tokens.
+# Long enough that no run ends before the signal: 6,000 requests of up to 90 tokens. Prompts of
+# one length bucket and a short max_len keep the warm-up (each process's compilations) short.
+REQUESTS = 6000
 WORKLOAD = [
-    "workload.num_requests=3000", "workload.prompt.dist=uniform", "workload.prompt.low=4",
-    "workload.prompt.high=40", "workload.output.dist=uniform", "workload.output.low=20",
-    "workload.output.high=200",
+    f"workload.num_requests={REQUESTS}", "workload.prompt.dist=uniform", "workload.prompt.low=17",
+    "workload.prompt.high=32", "workload.output.dist=uniform", "workload.output.low=20",
+    "workload.output.high=90",
 ]  # fmt: skip
-COMMON = [*MODEL, *WORKLOAD, "engine.compile_cache=off", "engine.num_slots=4", "output.plots=true"]
+COMMON = [
+    *MODEL,
+    "model.max_len=128",
+    *WORKLOAD,
+    "engine.compile_cache=off",
+    "engine.num_slots=4",
+    "output.plots=true",
+]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -67,7 +76,7 @@ def _requests(run: Path) -> list[dict]:
                                            ("device", "simulator")])  # fmt: skip
 def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
     policy = "chunked" if (loop, backend) == ("device", "runner") else "continuous"
-    # The simulator runs no model: 3,000 requests of it last about 15 s.
+    # The simulator runs no model: 6,000 requests of it last several seconds.
     simulated = ["engine.clock=passes"] if backend == "simulator" else []
     args = [f"hydra.run.dir={tmp_path}", *COMMON, f"policy={policy}", f"engine.loop={loop}",
             f"engine.backend={backend}"]  # fmt: skip
@@ -79,8 +88,8 @@ def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
     rows = _requests(tmp_path)
     interrupted = [r for r in rows if r["status"] == "interrupted"]
     assert m["interrupted"] is True and m["num_passes"] > 0
-    assert len(rows) == 3000 and {r["status"] for r in rows} <= {"finished", "interrupted"}
-    assert len(interrupted) == 3000 - m["num_finished"] > 0
+    assert len(rows) == REQUESTS and {r["status"] for r in rows} <= {"finished", "interrupted"}
+    assert len(interrupted) == REQUESTS - m["num_finished"] > 0
     assert err.strip().splitlines()[-1] == (
         f"jaxbatch: interrupted after {m['num_passes']} passes: {len(interrupted)} requests left "
         f"unfinished (status interrupted); outputs in {tmp_path}"
@@ -111,7 +120,13 @@ def test_ctrl_c_keeps_every_output_of_the_passes_done(tmp_path, loop, backend):
 
 
 def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
-    small = [*MODEL, "engine.compile_cache=off", "workload.num_requests=4", "output.plots=false"]
+    small = [
+        *MODEL,
+        "model.max_len=256",
+        "engine.compile_cache=off",
+        "workload.num_requests=4",
+        "output.plots=false",
+    ]
     proc = _start(["-m", f"hydra.sweep.dir={tmp_path}", *small, "engine.num_slots=0,2"])
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1

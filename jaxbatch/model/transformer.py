@@ -112,9 +112,15 @@ class Transformer(nn.Module):
 
 def init_params(spec: ModelSpec, seed: int) -> dict:
     """Random weights from a seed, stored as `stored` says, on the default device."""
+    return jax.device_put(stored(spec, _initialised(spec, jax.random.PRNGKey(seed))))
+
+
+@partial(jax.jit, static_argnums=0)
+def _initialised(spec: ModelSpec, key: Array) -> dict:
+    """Flax's init as one compiled program: run eagerly, its forward pass compiled each of its
+    operations apart (about 60 small compilations, 2-3 s, where this takes one)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    params = Transformer(spec).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
-    return jax.device_put(stored(spec, params))
+    return Transformer(spec).init(key, tokens, tokens)["params"]
 
 
 def stored(spec: ModelSpec, params: dict) -> dict:
