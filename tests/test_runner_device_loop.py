@@ -35,21 +35,16 @@ def _same_run(device, host):
 
 
 @pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
-def test_device_loop_tokens_equal_host_loop(policy):
-    w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5])
-    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
-    cfg.policy.token_budget = 64
-    cfg.policy.long_prefill_threshold = 16
-    _same_run(_device(cfg, w), simulate(cfg, w))
-
-
-@pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
 def test_device_loop_equals_host_loop_with_arrivals(policy):
     """Requests arriving while others run, and a gap with nothing to do: on the passes clock the
-    device loop waits (an idle plan jumps the clock, running no pass) exactly as the host loop."""
+    device loop waits (an idle plan jumps the clock, running no pass) exactly as the host loop.
+    Two requests arrive together at 2, the last long after the rest end; the offline case is
+    `test_device_loop_from_the_config` and the paged test below. Chunked prompts of over 16
+    tokens go in chunks."""
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
     cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
     cfg.policy.token_budget = 64
+    cfg.policy.long_prefill_threshold = 16
     cfg.policy.max_wait_s = 3.0 if policy == "static" else 0.0  # static waits to fill a batch
     device, host = _device(cfg, w), simulate(cfg, w)
     _same_run(device, host)
