@@ -51,9 +51,12 @@ def params(spec):
 
 def make_config(policy: str = "continuous", **engine) -> Config:
     """Tests keep the persistent compilation cache off, so that what an earlier run left on disk
-    never changes their compile counts (test_compile_cache turns it on)."""
+    never changes their compile counts (test_compile_cache turns it on), and run without warm-up
+    (each shape compiles on first use: only the shapes a run uses), unless warm-up is what they
+    test (`engine.warmup=True`: test_run, the device loop's config test, sharded_runs)."""
     engine.setdefault("num_slots", 4)
     engine.setdefault("compile_cache", "off")
+    engine.setdefault("warmup", False)
     return Config(
         model=TEST_MODEL,
         policy=PolicyConfig(name=policy),

@@ -124,6 +124,7 @@ def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path, capsys)
         *MODEL,
         "model.max_len=256",
         "engine.compile_cache=off",
+        "engine.warmup=false",
         "workload.num_requests=4",
         "output.plots=false",
     ]

@@ -13,7 +13,7 @@ from tests.conftest import make_config
 
 
 def _config(policy, **workload):
-    cfg = make_config(policy, num_slots=4)
+    cfg = make_config(policy, num_slots=4, warmup=True)
     cfg.workload = WorkloadConfig(
         num_requests=10, prompt=LengthConfig(dist="uniform", low=4, high=60),
         output=LengthConfig(dist="uniform", low=1, high=40), **workload,

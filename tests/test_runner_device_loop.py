@@ -69,7 +69,7 @@ def test_device_loop_equals_host_loop_with_paged_preemption():
 
 
 def _cli_config(loop: str, clock: str):
-    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop)
+    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop, warmup=True)
     cfg.policy.token_budget = 32
     cfg.workload = WorkloadConfig(
         num_requests=8, prompt=LengthConfig(dist="uniform", low=4, high=60),
