@@ -15,6 +15,7 @@ print(f"held-out answer accuracy at step {last['step']}: {accuracy:.1%} (stated:
 sys.exit(0 if accuracy >= 0.95 else "trained_model: the training fell short of 95%")
 PY
 jaxbatch -m +experiment=trained_model hydra.sweep.dir="$here/runs"
+cp "$here/runs/by_policy.png" "$here/by_policy.png"
 python - "$here/runs" > "$here/results.txt" <<'PY'
 import csv, sys
 from pathlib import Path
