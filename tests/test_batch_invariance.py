@@ -31,7 +31,7 @@ def alone():
 
 
 def _run(policy, workload, num_slots, model=None, **engine):
-    cfg = make_config(policy, num_slots=num_slots, clock="passes", warmup=False, **engine)
+    cfg = make_config(policy, num_slots=num_slots, clock="passes", **engine)
     cfg.model = model or cfg.model
     return simulate(cfg, workload, with_logits=True)
 

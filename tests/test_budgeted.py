@@ -75,7 +75,7 @@ def test_chunked_and_orca_tokens_equal_continuous():
     w = make_workload([30, 7, 45, 12], [6, 9, 4, 7], arrival=[0, 0, 1, 2])
     outs = {}
     for policy in ("continuous", "orca", "chunked"):
-        cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+        cfg = make_config(policy, num_slots=3, clock="passes")
         cfg.policy.token_budget = 64
         cfg.policy.long_prefill_threshold = 16
         res = run_config(cfg, w)
@@ -88,7 +88,7 @@ def test_chunked_and_orca_tokens_equal_continuous():
 
 def test_orca_rejects_a_prompt_over_its_budget_and_serves_the_rest():
     w = make_workload([30, 100, 20], [4, 4, 4])
-    cfg = make_config("orca", num_slots=2, clock="passes", warmup=False, backend="simulator")
+    cfg = make_config("orca", num_slots=2, clock="passes", backend="simulator")
     cfg.policy.token_budget = 64
     res = run_config(cfg, w)
     np.testing.assert_array_equal(np.asarray(res.final.status), [FINISHED, 4, FINISHED])

@@ -37,7 +37,7 @@ def _first_pass_starts(result, n):
 )
 def test_arrivals_up_to_1e7_keep_microseconds_and_latencies_stay_positive(engine):
     w = make_workload([8] * 6, [3] * 6, arrival=ARRIVALS)
-    res = simulate(make_config(num_slots=2, warmup=False, **engine), w)
+    res = simulate(make_config(num_slots=2, **engine), w)
     times = request_times(res.record, len(ARRIVALS))
     arrival = np.array(ARRIVALS)
     start = _first_pass_starts(res, len(ARRIVALS))
@@ -71,7 +71,7 @@ def test_the_device_loop_keeps_microseconds_on_the_priced_clock():
     """The simulator's device loop moves its origin as the host loop does: the same pass starts
     as the host loop's to a microsecond near 1e7 s, every prompt at its arrival."""
     w = make_workload([8] * 6, [3] * 6, arrival=ARRIVALS)
-    cfg = make_config(num_slots=2, warmup=False, backend="simulator", clock="priced")
+    cfg = make_config(num_slots=2, backend="simulator", clock="priced")
     cfg.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
                                     n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
     cfg.hardware = H100

@@ -35,7 +35,7 @@ def _both(cfg, w):
 @pytest.mark.parametrize("clock", ["passes", "priced"])
 @pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
 def test_device_loop_plans_equal_host_loop_plans(policy, clock):
-    cfg = make_config(policy, num_slots=3, backend="simulator", clock=clock, warmup=False)
+    cfg = make_config(policy, num_slots=3, backend="simulator", clock=clock)
     cfg.policy.token_budget = 128
     cfg.policy.max_wait_s = 1.0 if policy == "static" else 0.0
     if clock == "priced":  # a 1B-parameter model: passes of milliseconds, arrivals seconds apart
@@ -56,7 +56,7 @@ def test_device_loop_plans_equal_host_loop_plans(policy, clock):
 
 
 def test_device_loop_equals_host_loop_under_paged_preemption():
-    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", warmup=False)
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes")
     cfg.policy.token_budget = 32
     cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
     host, device = _both(cfg, make_workload([40, 35, 50, 20], [30, 30, 25, 30]))
@@ -93,7 +93,7 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
-    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", warmup=False)
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes")
     cfg.policy.token_budget = 64
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
     w = make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS)
@@ -109,8 +109,7 @@ def test_a_sweep_over_traced_knobs_and_paged_budgets_equals_its_runs_one_by_one(
     """Token budget (three row buckets), long-prefill threshold, paged memory budget (a pool
     sized for the largest, under preemption) and watermark vary across the members of one
     program; each member equals its own run, field for field, on the priced clock."""
-    base = make_config("chunked", num_slots=3, backend="simulator", clock="priced",
-                       warmup=False)  # fmt: skip
+    base = make_config("chunked", num_slots=3, backend="simulator", clock="priced")
     base.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
                                      n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
     base.hardware = dataclasses.replace(H100, padded=True)  # prices the row buckets

@@ -77,7 +77,7 @@ def _counting_decode(monkeypatch):
 def test_decode_dispatched_ahead_is_exact_without_eos_and_harmless_with_it(monkeypatch):
     w = make_workload([5, 30, 12, 60, 9, 33], [10, 3, 17, 6, 12, 8])
     calls = _counting_decode(monkeypatch)
-    cfg = make_config("continuous", num_slots=2, clock="passes", warmup=False)
+    cfg = make_config("continuous", num_slots=2, clock="passes")
     full = simulate(cfg, w)
     rec = full.record
     decodes = np.flatnonzero(rec.kind == DECODE)

@@ -54,7 +54,7 @@ def _save(tmp_path, kind: str, tied: bool = False, shard: str | None = None, ini
 
 
 def _config(path, policy="continuous", layout="contiguous"):
-    cfg = make_config(policy, num_slots=3, backend="runner", clock="passes", warmup=False)
+    cfg = make_config(policy, num_slots=3, backend="runner", clock="passes")
     cfg.model = ModelConfig(name="hf", path=str(path), max_len=128)
     cfg.policy.token_budget, cfg.policy.long_prefill_threshold = 32, 8  # chunked: 8-token chunks
     cfg.memory = MemoryConfig(layout=layout, block_size=16)

@@ -47,7 +47,7 @@ def test_fused_partial_merges_as_the_portable_partial(monkeypatch, n, t, h, hkv,
 
 
 def _logits(policy, memory, attention="xla", pallas=False):
-    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg = make_config(policy, num_slots=3, clock="passes")
     # The Pallas kernel reads K/V as bfloat16: its runs store them so, and so do their references.
     kv_dtype = "bfloat16" if pallas else "auto"
     cfg.model = dataclasses.replace(cfg.model, attention=attention, kv_dtype=kv_dtype)

@@ -23,7 +23,7 @@ BUDGETS = [9, 5, 12, 14]
 
 
 def _run(memory: MemoryConfig, prompts=PROMPTS, budgets=BUDGETS, num_slots=3, **engine):
-    cfg = make_config("continuous", num_slots=num_slots, clock="passes", warmup=False, **engine)
+    cfg = make_config("continuous", num_slots=num_slots, clock="passes", **engine)
     cfg.memory = memory
     return simulate(cfg, make_workload(prompts, budgets), with_logits=True)
 

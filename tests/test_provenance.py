@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_run_records_its_config_versions_devices_and_revision(tmp_path):
-    cfg = make_config("chunked", backend="simulator", clock="passes", warmup=False)
+    cfg = make_config("chunked", backend="simulator", clock="passes")
     cfg.policy.token_budget = 48
     metrics = execute(cfg, tmp_path)
     ran_on = json.loads((tmp_path / "provenance.json").read_text())

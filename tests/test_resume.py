@@ -18,7 +18,7 @@ from tests.conftest import make_config
 
 
 def _config():
-    cfg = make_config("continuous", num_slots=3, clock="passes", warmup=False)
+    cfg = make_config("continuous", num_slots=3, clock="passes")
     cfg.workload = WorkloadConfig(num_requests=9, arrival="poisson", rate=0.5, seed=3)
     cfg.workload.prompt.dist, cfg.workload.prompt.low, cfg.workload.prompt.high = "uniform", 8, 60
     cfg.workload.output.dist, cfg.workload.output.low, cfg.workload.output.high = "uniform", 4, 30

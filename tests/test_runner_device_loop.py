@@ -42,7 +42,7 @@ def test_device_loop_equals_host_loop_with_arrivals(policy):
     `test_device_loop_from_the_config` and the paged test below. Chunked prompts of over 16
     tokens go in chunks."""
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
-    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg = make_config(policy, num_slots=3, clock="passes")
     cfg.policy.token_budget = 64
     cfg.policy.long_prefill_threshold = 16
     cfg.policy.max_wait_s = 3.0 if policy == "static" else 0.0  # static waits to fill a batch
@@ -58,7 +58,7 @@ def test_device_loop_equals_host_loop_with_paged_preemption():
     """The paged layout under a budget tight enough to preempt: the device loop frees, regrants
     and recomputes exactly as the host loop does."""
     w = make_workload([40, 35, 50, 20], [30, 30, 25, 30])
-    cfg = make_config("chunked", num_slots=3, clock="passes", warmup=False)
+    cfg = make_config("chunked", num_slots=3, clock="passes")
     cfg.policy.token_budget = 32
     cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
     host = simulate(cfg, w)
@@ -127,7 +127,7 @@ def test_the_simulator_makes_the_runners_plans(policy):
     """The same `sched/` code schedules both backends: with arrivals on the passes clock, the
     simulator's passes are the runner's, pass for pass, on either loop."""
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
-    cfg = make_config(policy, num_slots=3, clock="passes", warmup=False)
+    cfg = make_config(policy, num_slots=3, clock="passes")
     cfg.policy.token_budget = 64
     cfg.policy.max_wait_s = 3.0 if policy == "static" else 0.0
     runner = simulate(cfg, w)

@@ -14,7 +14,7 @@ from tests.conftest import make_config
 
 
 def test_one_event_per_request_phase_at_the_times_of_passes_csv(tmp_path):
-    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", warmup=False)
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes")
     cfg.policy.token_budget = 24  # prompts of up to 40 tokens: chunked over several passes
     cfg.workload = WorkloadConfig(num_requests=7, seed=3)
     cfg.workload.prompt.dist, cfg.workload.prompt.low, cfg.workload.prompt.high = "uniform", 2, 40

@@ -57,7 +57,7 @@ def test_a_short_training_lowers_the_held_out_loss(trained):
 
 
 def _task_run(checkpoint, policy, memory, num_slots):
-    cfg = make_config(policy, num_slots=num_slots, clock="passes", warmup=False)
+    cfg = make_config(policy, num_slots=num_slots, clock="passes")
     cfg.model = dataclasses.replace(cfg.model, checkpoint=str(checkpoint), eos_id=tasks.EOS)
     cfg.workload = WorkloadConfig(kind="task", num_requests=10, max_digits=4, seed=5)
     cfg.memory, cfg.policy.token_budget = memory, 16
