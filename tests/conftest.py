@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxbatch.run
+from jaxbatch.backend import executables
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
@@ -26,6 +27,7 @@ def _fresh_compilations():
     programs in one process, and late in it XLA's CPU compiler segfaulted (see the README)."""
     yield
     jax.clear_caches()
+    executables.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.backend import compilation, executables
+from jaxbatch.backend.buckets import PassShape
+from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.backend.runner import Runner, Sampling
+from jaxbatch.sched.state import DECODE, PREFILL, Plan
+
 TINY = [
     "model.vocab_size=256", "model.d_model=64", "model.n_layers=1", "model.n_heads=2",
     "model.n_kv_heads=1", "model.d_mlp=128", "model.max_len=128", "workload.num_requests=6",
@@ -34,3 +44,65 @@ def test_second_run_compiles_nothing_and_loads_what_the_first_compiled(tmp_path)
     assert second["compile_cache_hits"] == first["num_compiles"]
     tokens = [(tmp_path / run / "tokens.jsonl").read_text() for run in ("first", "second")]
     assert tokens[0] == tokens[1]
+
+
+def _runner(spec, params, temperature: float = 0.0) -> Runner:
+    prompts = np.arange(4 * spec.max_len).reshape(4, spec.max_len) % spec.vocab_size
+    return Runner(spec, params, 4, prompts, np.array([5, 9, 3, 12]), sampling=Sampling(temperature))
+
+
+def _decode_tokens(runner: Runner) -> np.ndarray:
+    """Prefill every request, then one decode pass: the tokens of both passes."""
+    slots = np.arange(4, dtype=np.int32)
+    lengths = np.array([5, 9, 3, 12], np.int32)
+    no_blocks = np.full((4, 0), -1, np.int32)
+    prefill = Plan(slots, lengths, 0 * slots, np.int32(PREFILL), np.float32(0), no_blocks)
+    first, _ = runner.execute(prefill, runner.buckets.shape_of(prefill))
+    plan = Plan(slots, np.ones(4, np.int32), lengths, np.int32(DECODE), np.float32(0), no_blocks)
+    second, _ = runner.decode(plan, runner.buckets.decode(13))
+    return np.stack([np.asarray(first), np.asarray(second)])
+
+
+def test_passes_loaded_from_the_store_compute_what_compiled_ones_do(
+    spec, params, tmp_path, monkeypatch, caplog
+):
+    """A pass is saved whole at its compilation and loaded by a later runner (as another
+    process would: executables.clear() drops the process's copies) without compiling; a file
+    that cannot be read is compiled again, with a warning, and saved again."""
+    monkeypatch.setattr(compilation, "_store", [tmp_path])
+    shapes = [PassShape(4, 16, 0), PassShape(4, 1, 64, True)]
+    compiled_tokens = _decode_tokens(_runner(spec, params))
+    saved = sorted(tmp_path.glob("*.exe"))
+    assert len(saved) == 2  # the prefill and the decode shape
+    executables.clear()
+    compiles, hits = num_compiles(), cache_hits()
+    runner = _runner(spec, params)
+    runner.warmup(shapes)
+    assert (num_compiles() - compiles, cache_hits() - hits) == (0, 2)
+    np.testing.assert_array_equal(_decode_tokens(runner), compiled_tokens)
+
+    saved[0].write_bytes(b"not a program")
+    executables.clear()
+    jax.clear_caches()  # as in a new process
+    hits = cache_hits()
+    np.testing.assert_array_equal(_decode_tokens(_runner(spec, params)), compiled_tokens)
+    assert cache_hits() - hits == 1  # the other pass
+    assert "compiling it again" in caplog.text
+    assert saved[0].stat().st_size > 1000  # saved again, whole
+
+
+def test_a_pass_is_found_by_every_static_argument_and_argument_type(spec, params):
+    """Programs of other static arguments, or of arguments of other types, never share a key;
+    equal ones always do."""
+    runner = _runner(spec, params)
+    shape = PassShape(4, 1, 64, True)
+    args = (*runner._pass_args(), *runner._idle_rows(shape))
+    static = ("runner._pass", spec, shape, Sampling(), 4, False)
+    key = executables._key(static, args)
+    assert executables._key(static, args) == key
+    other_static = ("runner._pass", spec, shape, Sampling(0.5), 4, False)
+    assert executables._key(other_static, args) != key
+    wider = (*args[:5], jax.tree.map(lambda x: np.asarray(x, np.int64), args[5]))
+    assert executables._key(static, wider) != key
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), args[0])
+    assert executables._key(static, (bf16, *args[1:])) != key

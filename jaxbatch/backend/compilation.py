@@ -1,32 +1,42 @@
-"""Process-wide counts of XLA compilations and persistent-cache hits, and the cache itself.
+"""Process-wide counts of XLA compilations and compile-cache hits, and the cache itself.
 
-With JAX's persistent compilation cache on, a run whose shapes an earlier run compiled loads them
-from disk instead of compiling: a sweep's second job, or a repeated run, warms up in a fraction
-of the time. A cache hit is not counted as a compilation. Never compile anything here.
+With the compile cache on, a run whose shapes an earlier run compiled loads them from disk
+instead of compiling: a sweep's second job, or a repeated run, warms up in a fraction of the
+time. The cache is JAX's persistent compilation cache, and in its `executables/` folder the
+runner's passes whole (executables.py), which load without tracing. A cache hit is not counted as
+a compilation. Never compile anything here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import jax
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
 
-_counts = {"requests": 0, "cache_hits": 0}
+_counts = {"requests": 0, "cache_hits": 0, "loaded": 0}
+_lock = threading.Lock()  # warm-up compiles on several threads
+_store: list[Path | None] = [None]  # the folder of whole compiled passes (None: off)
+
+
+def _count(name: str) -> None:
+    with _lock:
+        _counts[name] += 1
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     # JAX times a compilation and a load from the persistent cache as one event.
     if event == "/jax/core/compile/backend_compile_duration":
-        _counts["requests"] += 1
+        _count("requests")
 
 
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
-        _counts["cache_hits"] += 1
+        _count("cache_hits")
 
 
 monitoring.register_event_duration_secs_listener(_on_duration)
@@ -40,8 +50,25 @@ def num_compiles() -> int:
 
 
 def cache_hits() -> int:
-    """Executables loaded from the persistent compilation cache in this process so far."""
-    return _counts["cache_hits"]
+    """Executables loaded from the compile cache (JAX's or the passes' folder) in this process
+    so far."""
+    return _counts["cache_hits"] + _counts["loaded"]
+
+
+def note_loaded() -> None:
+    """Count a compiled pass loaded from `store()`."""
+    _count("loaded")
+
+
+def store() -> Path | None:
+    """Where whole compiled passes are saved and loaded (executables.py): the cache's
+    `executables/` folder, or None with the cache off."""
+    return _store[0]
+
+
+def use_store(path: Path | None) -> None:
+    """Save whole compiled passes in `path` and load them from it (None: off)."""
+    _store[0] = path
 
 
 def cache_dir(setting: str) -> Path | None:
@@ -56,7 +83,9 @@ def cache_dir(setting: str) -> Path | None:
 
 def use_cache(path: Path | None) -> None:
     """Turn the persistent compilation cache on at `path` (off for None), for every later
-    compilation of the process, however short (JAX's default keeps only those over 1 s)."""
+    compilation of the process, however short (JAX's default keeps only those over 1 s), and
+    the store of whole passes in its `executables/` folder."""
+    use_store(None if path is None else path / "executables")
     current = jax.config.jax_compilation_cache_dir
     wanted = None if path is None else str(path)
     if current == wanted:

@@ -10,7 +10,9 @@ donated. This module never decides what runs: the plan does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, partial
 
@@ -22,6 +24,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
+from jaxbatch.backend.executables import compiled
 from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params
 from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
@@ -158,6 +161,10 @@ def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 
+# Shapes warm-up compiles (or loads) at once: each compilation holds its own XLA buffers.
+WARMUP_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+
+
 @cache
 def _jitted_pass(
     spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int, with_logits: bool,
@@ -215,6 +222,7 @@ class Runner:
         ids = np.arange(len(prompt_len)) if request_ids is None else request_ids
         self.request_ids = jnp.asarray(ids, jnp.int32)  # seeds each request's sampling stream
         self.placement = None
+        self._passes = {}  # compiled passes by shape (and row dtypes)
         if mesh is None:
             self.params, self.cache = jax.device_put(params), new_cache()
         else:  # allocated where they live: no device ever holds the whole cache or weights
@@ -226,31 +234,56 @@ class Runner:
             )
 
     def _call(self, shape: PassShape, *rows) -> tuple[Array, Array | None]:
-        """Run the jitted pass of `shape` on its row arguments (see `_pass`)."""
-        fn = _jitted_pass(self.spec, shape, self.sampling, self.num_slots, self.with_logits,
-                          self.placement)  # fmt: skip
+        """Run the compiled pass of `shape` on its row arguments (see `_pass`)."""
         if self.mesh is not None:  # every call's rows placed alike: one compilation per shape
             rows = jax.device_put(rows, replicated(self.mesh))
-        self.cache, self.token_buf, tokens, logits = fn(
-            self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids, *rows
-        )
+        args = (*self._pass_args(), *rows)
+        self.cache, self.token_buf, tokens, logits = self._program(shape, args)(*args)
         return tokens, logits
 
+    def _program(self, shape: PassShape, args: tuple):
+        """The compiled pass of `shape` for these arguments (see `executables`)."""
+        kinds = (shape, *(x.dtype for x in jax.tree.leaves(args[5:])))  # host or device: alike
+        fn = self._passes.get(kinds)
+        if fn is None:  # parameters and buffers keep their types: only a shape's rows may vary
+            static = (self.spec, shape, self.sampling, self.num_slots, self.with_logits)
+            jitted = _jitted_pass(*static, self.placement)
+            fn = self._passes[kinds] = compiled(jitted, ("runner._pass", *static), args)
+        return fn
+
+    def _idle_rows(self, shape: PassShape) -> tuple:
+        """Row arguments of a pass of `shape` that feeds nothing."""
+        n = self.num_slots if shape.flat else shape.rows
+        zeros = np.zeros(n, np.int32)
+        no_blocks = np.full((n, self.max_blocks), -1, np.int32)
+        if shape.flat or shape.all_slots:  # an empty plan: every slot feeds nothing
+            return (Plan(zeros, zeros, zeros, np.int32(IDLE), np.float32(0), no_blocks),)
+        idle_slot = np.full(n, self.num_slots, np.int32)
+        return idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks
+
     def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
-        """Compile (and run once, writing nothing) every shape in `shapes`, until `stop()`."""
+        """Compile (or load) every shape in `shapes`, several at a time, then run each once,
+        writing nothing; until `stop()`. XLA compiles, and loads compiled code, outside Python's
+        lock: on 2 cores a first run's warm-up takes about 0.6x of one at a time."""
+
+        def prepare(shape):
+            if not stop():
+                rows = self._idle_rows(shape)
+                if self.mesh is not None:
+                    rows = jax.device_put(rows, replicated(self.mesh))
+                self._program(shape, (*self._pass_args(), *rows))
+
+        with ThreadPoolExecutor(WARMUP_THREADS) as pool:
+            list(pool.map(prepare, shapes))
         for shape in shapes:
             if stop():
                 break
-            n = self.num_slots if shape.flat else shape.rows
-            zeros = np.zeros(n, np.int32)
-            no_blocks = np.full((n, self.max_blocks), -1, np.int32)
-            if shape.flat or shape.all_slots:  # an empty plan: every slot feeds nothing
-                self._call(shape, Plan(zeros, zeros, zeros, np.int32(IDLE), np.float32(0),
-                                       no_blocks))  # fmt: skip
-            else:
-                idle_slot = np.full(n, self.num_slots, np.int32)
-                self._call(shape, idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks)
+            self._call(shape, *self._idle_rows(shape))
         jax.block_until_ready(self.cache)
+
+    def _pass_args(self) -> tuple:
+        """A pass's arguments before its rows."""
+        return self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids
 
     def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
         """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device

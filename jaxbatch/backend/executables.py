@@ -1,0 +1,121 @@
+"""Compiled passes found by what makes them: kept for the process, and on disk beside JAX's
+persistent compilation cache, so that a repeated run loads its passes without tracing them.
+
+JAX's persistent cache (compilation.py) skips XLA's compilation, but not JAX's tracing and
+lowering of each program, which its key is computed from: for the tiny model, 0.1-0.3 s a pass
+shape, most of a repeated run's warm-up. Here a compiled program is found by a key of everything
+it is made from, known before tracing: the source of the jaxbatch package, the versions of jax,
+jaxlib, flax and numpy, the devices and the processor, XLA's flags and every JAX setting, the
+program's static arguments, and the types, shapes and placements of its arguments. A change to any
+of them is another key, so no program compiled from other code or for other inputs is loaded.
+A program not found is compiled (through JAX's cache) and saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import pickle
+import platform
+from functools import cache
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+
+from jaxbatch.backend.compilation import note_loaded, store
+
+_log = logging.getLogger(__name__)
+_compiled: dict[str, object] = {}  # the process's programs, by key
+
+
+def clear() -> None:
+    """Drop the process's programs (as `jax.clear_caches` drops jit's)."""
+    _compiled.clear()
+
+
+def compiled(jitted, static: tuple, args: tuple):
+    """`jitted` (a `jax.jit` function) compiled for `args`: the process's copy, else the store's,
+    else compiled now (and saved). `static` names the program and every static argument it was
+    made with (reprs that do not change between processes)."""
+    key = _key(static, args)
+    program = _compiled.get(key)
+    if program is None:
+        program = _load(key) or _compile(jitted, args, key)
+        _compiled[key] = program
+    return program
+
+
+def _load(key: str):
+    folder = store()
+    path = folder and folder / f"{key}.exe"
+    if path is None or not path.exists():
+        return None
+    try:
+        program = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+    except Exception as err:  # a file cut short, or written by something else: compile anew
+        _log.warning("could not load the compiled pass %s (%s): compiling it again", path, err)
+        return None
+    note_loaded()
+    return program
+
+
+def _compile(jitted, args: tuple, key: str):
+    program = jitted.lower(*args).compile()
+    folder = store()
+    if folder is not None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(program))
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{key}.{os.getpid()}.tmp"  # renamed whole: no reader sees half
+            tmp.write_bytes(blob)
+            os.replace(tmp, folder / f"{key}.exe")
+        except Exception as err:  # a full disk or a read-only folder costs the next run time only
+            _log.warning("could not save a compiled pass in %s (%s)", folder, err)
+    return program
+
+
+def _key(static: tuple, args: tuple) -> str:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    settings = sorted(
+        (k, v) for k, v in jax.config.values.items()
+        if isinstance(v, (bool, int, float, str, type(None)))
+    )  # fmt: skip
+    made_of = (_code(), settings, repr(static), str(tree), [_signature(x) for x in leaves])
+    return hashlib.sha256(repr(made_of).encode()).hexdigest()[:40]
+
+
+def _signature(x) -> tuple:
+    if isinstance(x, jax.Array):
+        return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (x.shape, str(x.dtype))
+    return (type(x).__name__,)  # a Python scalar: a weakly typed value of its type
+
+
+@cache
+def _code() -> tuple:
+    """What every program of the process is made from, whatever its arguments."""
+    package = Path(__file__).resolve().parents[1]
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    versions = [importlib.metadata.version(p) for p in ("jax", "jaxlib", "flax", "numpy")]
+    devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+    client = jax.devices()[0].client
+    return (
+        source.hexdigest(), versions, devices, client.platform_version, _processor(),
+        os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+    )  # fmt: skip
+
+
+def _processor() -> str:
+    """The CPU's model and flags (code compiled for the host's CPU may use all its features)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({x for x in lines if x.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
