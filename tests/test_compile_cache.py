@@ -15,7 +15,9 @@ from jaxbatch.backend import compilation, executables
 from jaxbatch.backend.buckets import PassShape
 from jaxbatch.backend.compilation import cache_hits, num_compiles
 from jaxbatch.backend.runner import Runner, Sampling
+from jaxbatch.model.transformer import init_params
 from jaxbatch.sched.state import DECODE, PREFILL, Plan
+from tests.conftest import TEST_MODEL
 
 TINY = [
     "model.vocab_size=256", "model.d_model=64", "model.n_layers=1", "model.n_heads=2",
@@ -63,12 +65,12 @@ def _decode_tokens(runner: Runner) -> np.ndarray:
     return np.stack([np.asarray(first), np.asarray(second)])
 
 
-def test_passes_loaded_from_the_store_compute_what_compiled_ones_do(
-    spec, params, tmp_path, monkeypatch, caplog
-):
+def test_passes_loaded_from_the_store_compute_what_compiled_ones_do(tmp_path, monkeypatch, caplog):
     """A pass is saved whole at its compilation and loaded by a later runner (as another
     process would: executables.clear() drops the process's copies) without compiling; a file
     that cannot be read is compiled again, with a warning, and saved again."""
+    spec = TEST_MODEL.spec()
+    params = init_params(spec, 0)
     monkeypatch.setattr(compilation, "_store", [tmp_path])
     shapes = [PassShape(4, 16, 0), PassShape(4, 1, 64, True)]
     compiled_tokens = _decode_tokens(_runner(spec, params))
@@ -91,9 +93,11 @@ def test_passes_loaded_from_the_store_compute_what_compiled_ones_do(
     assert saved[0].stat().st_size > 1000  # saved again, whole
 
 
-def test_a_pass_is_found_by_every_static_argument_and_argument_type(spec, params):
+def test_a_pass_is_found_by_every_static_argument_and_argument_type():
     """Programs of other static arguments, or of arguments of other types, never share a key;
     equal ones always do."""
+    spec = TEST_MODEL.spec()
+    params = init_params(spec, 0)
     runner = _runner(spec, params)
     shape = PassShape(4, 1, 64, True)
     args = (*runner._pass_args(), *runner._idle_rows(shape))
