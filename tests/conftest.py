@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxbatch.run
-from jaxbatch.backend import executables
+from jaxbatch.backend import compilation, executables
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
@@ -28,6 +28,17 @@ def _fresh_compilations():
     yield
     jax.clear_caches()
     executables.clear()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _passes_saved_whole(tmp_path_factory):
+    """The runner's compiled passes are saved whole for the session (`executables`, shared by
+    the xdist workers), so a test module loads the passes an earlier one compiled instead of
+    compiling them again: the same programs, from the same code, in a fraction of the time."""
+    root = tmp_path_factory.getbasetemp()
+    compilation.use_store((root.parent if root.name.startswith("popen-") else root) / "passes")
+    yield
+    compilation.use_store(None)
 
 
 @pytest.fixture(autouse=True)
