@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 
+from jaxbatch.backend import compilation, executables
 from jaxbatch.config import MemoryConfig, MeshConfig, ModelConfig, validate
 from jaxbatch.run import build_backend, memory_spec, simulate
 from tests.conftest import make_config, make_workload
@@ -43,6 +46,22 @@ def main() -> None:
             "again": [t.tolist() for t in again.outputs],
             "steady_compiles": again.num_compiles if host else res.compiles_after_warmup,
         }
+    # Passes saved whole on a mesh of 4 of the 8 devices, then loaded as another process would.
+    with tempfile.TemporaryDirectory() as folder:
+        cfg = make_config("continuous", num_slots=8, clock="passes", warmup=True,
+                          compile_cache=folder)  # fmt: skip
+        cfg.model, cfg.mesh = MODEL, MeshConfig(data=2, model=2)
+        first = simulate(cfg, w)
+        executables.clear()
+        jax.clear_caches()
+        again = simulate(cfg, w)
+        out["stored/2x2"] = {
+            "tokens": [t.tolist() for t in first.outputs],
+            "again": [t.tolist() for t in again.outputs],
+            "saved": len(list((Path(folder) / "executables").glob("*.exe"))),
+            "compiles": again.num_compiles, "hits": again.cache_hits,
+        }  # fmt: skip
+        compilation.use_cache(None)
     # Where a 2x4 runner puts its arrays (PARAM_RULES, cache_sharding).
     cfg = make_config("continuous", num_slots=8)
     cfg.model, cfg.mesh = MODEL, MeshConfig(data=2, model=4)

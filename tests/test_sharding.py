@@ -32,11 +32,11 @@ def runs() -> dict:
 
 
 def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
-    groups = {k.rsplit("/", 1)[0] for k in runs if not k.startswith("placement")}
+    groups = {k.rsplit("/", 1)[0] for k in runs if not k.startswith(("placement", "stored"))}
     assert groups == {"contiguous/continuous/host", "contiguous/chunked/device",
                       "paged/chunked/device"}  # fmt: skip
     for key, run in runs.items():
-        if key.startswith("placement"):
+        if key.startswith(("placement", "stored")):
             continue
         alone = runs[key.rsplit("/", 1)[0] + "/1x1"]
         assert run["tokens"] == alone["tokens"] == run["again"], key
@@ -44,6 +44,14 @@ def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
         assert run["steady_compiles"] == 0, key  # the steady state compiles nothing
     meshes = {k.rsplit("/", 1)[1] for k in runs if k.startswith("contiguous/chunked/device")}
     assert meshes == {"1x1", "1x8", "2x4", "4x2", "8x1"}
+
+
+def test_passes_saved_on_part_of_the_devices_load_onto_those_devices(runs):
+    """A 2x2 mesh of the 8 devices: its passes, loaded from the compile cache's store, run on
+    the mesh's 4 devices and give the single-device tokens."""
+    stored = runs["stored/2x2"]
+    assert stored["tokens"] == stored["again"] == runs["contiguous/continuous/host/1x1"]["tokens"]
+    assert stored["saved"] > 0 and stored["compiles"] == 0 and stored["hits"] >= stored["saved"]
 
 
 def test_parameters_and_caches_sit_where_the_rules_say(runs):

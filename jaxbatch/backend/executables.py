@@ -55,7 +55,10 @@ def _load(key: str):
     if path is None or not path.exists():
         return None
     try:
-        program = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        blob, device_ids = pickle.loads(path.read_bytes())
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[i] for i in device_ids]  # a mesh's, in its order: not every device
+        program = serialize_executable.deserialize_and_load(*blob, execution_devices=devices)
     except Exception as err:  # a file cut short, or written by something else: compile anew
         _log.warning("could not load the compiled pass %s (%s): compiling it again", path, err)
         return None
@@ -68,7 +71,9 @@ def _compile(jitted, args: tuple, key: str):
     folder = store()
     if folder is not None:
         try:
-            blob = pickle.dumps(serialize_executable.serialize(program))
+            devices = program._executable._unloaded_executable.device_list  # as JAX's serialize
+            ids = [d.id for d in devices]
+            blob = pickle.dumps((serialize_executable.serialize(program), ids))
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{key}.{os.getpid()}.tmp"  # renamed whole: no reader sees half
             tmp.write_bytes(blob)
