@@ -264,7 +264,7 @@ class Runner:
     def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
         """Compile (or load) every shape in `shapes`, several at a time, then run each once,
         writing nothing; until `stop()`. XLA compiles, and loads compiled code, outside Python's
-        lock: on 2 cores a first run's warm-up takes about 0.6x of one at a time."""
+        lock: on 2 cores a first run's warm-up takes about 0.7x of one at a time."""
 
         def prepare(shape):
             if not stop():
