@@ -1,0 +1,63 @@
+"""Warm-up of a first and of repeated runs of one config, each in a new process, sharing one
+compile cache (empty at the start): what a sweep's jobs or a rerun of a command pay before their
+clock starts. Prints each run's warm-up, compilations and compile-cache hits, and the repeated
+runs' median against issue 11's target (under 2 s).
+
+    python benchmarks/warmup.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["output.plots=false", "output.progress=false", "model.n_kv_heads=4"]
+REALISTIC = [
+    "engine.num_slots=16", "workload.num_requests=64", "workload.prompt.dist=uniform",
+    "workload.prompt.low=16", "workload.prompt.high=128", "workload.output.dist=uniform",
+    "workload.output.low=16", "workload.output.high=128",
+]  # fmt: skip
+CONFIGS = {
+    "default (8 slots, 32-token prompts)": [],
+    "realistic, continuous": [*REALISTIC, "policy=continuous"],
+    "realistic, chunked": [*REALISTIC, "policy=chunked"],
+}
+
+
+def run(overrides: list[str], cache: Path, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "jaxbatch", *QUIET, *overrides,
+           f"engine.compile_cache={cache}", f"hydra.run.dir={out}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(proc.stderr[-2000:])
+    return json.loads((out / "metrics.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2, help="repeated runs after the first")
+    args = ap.parse_args()
+    print(f"{'config':38s} {'run':>6s} {'warm-up s':>10s} {'compiles':>9s} {'loaded':>7s}")
+    for name, overrides in CONFIGS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            cache, repeated = Path(tmp) / "cache", []
+            for i in range(1 + args.repeats):
+                m = run(overrides, cache, Path(tmp) / f"run{i}")
+                label = "first" if i == 0 else f"rep {i}"
+                print(f"{name:38s} {label:>6s} {m['warmup_s']:10.2f} {m['num_compiles']:9d} "
+                      f"{m['compile_cache_hits']:7d}")  # fmt: skip
+                if i:
+                    repeated.append(m["warmup_s"])
+            med = statistics.median(repeated)
+            verdict = "reached" if med < 2.0 else "not reached"
+            print(f"{name:38s} repeated median {med:.2f} s; target under 2 s: {verdict}")
+
+
+if __name__ == "__main__":
+    main()
