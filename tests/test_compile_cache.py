@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,18 @@ def test_a_pass_is_found_by_every_static_argument_and_argument_type():
     assert executables._key(static, wider) != key
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), args[0])
     assert executables._key(static, (bf16, *args[1:])) != key
+
+
+def test_the_store_drops_the_programs_used_least_recently(tmp_path):
+    for i, size in enumerate([300, 200, 100, 400]):  # modified at times 0, 1, 2, 3
+        path = tmp_path / f"{i}.exe"
+        path.write_bytes(b"x" * size)
+        os.utime(path, (i, i))
+    os.utime(tmp_path / "0.exe", (9, 9))  # the oldest, loaded since: used last
+    names = lambda: sorted(p.name for p in tmp_path.glob("*.exe"))  # noqa: E731
+    executables.prune(tmp_path, 800)  # 1000 bytes: the least recently used goes
+    assert names() == ["0.exe", "2.exe", "3.exe"]
+    executables.prune(tmp_path, 500)
+    assert names() == ["0.exe"]
+    executables.prune(tmp_path, 0)
+    assert names() == []

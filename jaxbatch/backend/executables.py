@@ -30,6 +30,9 @@ from jaxbatch.backend.compilation import note_loaded, store
 
 _log = logging.getLogger(__name__)
 _compiled: dict[str, object] = {}  # the process's programs, by key
+# The store keeps at most this many bytes: every change to the code makes new keys, so the
+# programs used least recently (by modification time, which a load renews) go first.
+STORE_BYTES = 2 << 30
 
 
 def clear() -> None:
@@ -63,6 +66,7 @@ def _load(key: str):
         _log.warning("could not load the compiled pass %s (%s): compiling it again", path, err)
         return None
     note_loaded()
+    os.utime(path)  # used now: pruned last
     return program
 
 
@@ -78,9 +82,27 @@ def _compile(jitted, args: tuple, key: str):
             tmp = folder / f".{key}.{os.getpid()}.tmp"  # renamed whole: no reader sees half
             tmp.write_bytes(blob)
             os.replace(tmp, folder / f"{key}.exe")
+            prune(folder, STORE_BYTES)
         except Exception as err:  # a full disk or a read-only folder costs the next run time only
             _log.warning("could not save a compiled pass in %s (%s)", folder, err)
     return program
+
+
+def prune(folder: Path, limit: int) -> None:
+    """Delete the least recently used programs in `folder` until it holds at most `limit` bytes."""
+    files = []
+    for path in folder.glob("*.exe"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # another process pruned it
+            continue
+        files.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files, key=lambda f: f[0]):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 def _key(static: tuple, args: tuple) -> str:
