@@ -13,6 +13,7 @@ A program not found is compiled (through JAX's cache) and saved.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -66,7 +67,8 @@ def _load(key: str):
         _log.warning("could not load the compiled pass %s (%s): compiling it again", path, err)
         return None
     note_loaded()
-    os.utime(path)  # used now: pruned last
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        os.utime(path)  # used now: pruned last
     return program
 
 
