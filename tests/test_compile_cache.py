@@ -101,7 +101,7 @@ def test_a_pass_is_found_by_every_static_argument_and_argument_type():
     params = init_params(spec, 0)
     runner = _runner(spec, params)
     shape = PassShape(4, 1, 64, True)
-    args = (*runner._pass_args(), *runner._idle_rows(shape))
+    args = runner._args(runner._idle_rows(shape))
     static = ("runner._pass", spec, shape, Sampling(), 4, False)
     key = executables._key(static, args)
     assert executables._key(static, args) == key

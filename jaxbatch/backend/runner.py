@@ -235,9 +235,7 @@ class Runner:
 
     def _call(self, shape: PassShape, *rows) -> tuple[Array, Array | None]:
         """Run the compiled pass of `shape` on its row arguments (see `_pass`)."""
-        if self.mesh is not None:  # every call's rows placed alike: one compilation per shape
-            rows = jax.device_put(rows, replicated(self.mesh))
-        args = (*self._pass_args(), *rows)
+        args = self._args(rows)
         self.cache, self.token_buf, tokens, logits = self._program(shape, args)(*args)
         return tokens, logits
 
@@ -268,10 +266,7 @@ class Runner:
 
         def prepare(shape):
             if not stop():
-                rows = self._idle_rows(shape)
-                if self.mesh is not None:
-                    rows = jax.device_put(rows, replicated(self.mesh))
-                self._program(shape, (*self._pass_args(), *rows))
+                self._program(shape, self._args(self._idle_rows(shape)))
 
         with ThreadPoolExecutor(WARMUP_THREADS) as pool:
             list(pool.map(prepare, shapes))
@@ -281,9 +276,11 @@ class Runner:
             self._call(shape, *self._idle_rows(shape))
         jax.block_until_ready(self.cache)
 
-    def _pass_args(self) -> tuple:
-        """A pass's arguments before its rows."""
-        return self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids
+    def _args(self, rows: tuple) -> tuple:
+        """A pass's arguments: the device buffers, then its rows."""
+        if self.mesh is not None:  # every call's rows placed alike: one compilation per shape
+            rows = jax.device_put(rows, replicated(self.mesh))
+        return self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids, *rows
 
     def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
         """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device
