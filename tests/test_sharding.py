@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"  # conftest's
+    env = dict(os.environ, XLA_FLAGS=flags)
     proc = subprocess.run([sys.executable, "-m", "tests.sharded_runs"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
