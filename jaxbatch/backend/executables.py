@@ -118,7 +118,9 @@ def _key(static: tuple, args: tuple) -> str:
 
 
 def _signature(x) -> tuple:
-    if isinstance(x, jax.Array):
+    if isinstance(x, jax.Array):  # placed (`committed`), or wherever its program runs
+        return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding if x.committed else None))
+    if isinstance(x, jax.ShapeDtypeStruct):  # an array's type (the runner's warm-up)
         return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
     if isinstance(x, (np.ndarray, np.generic)):
         return (x.shape, str(x.dtype))

@@ -161,6 +161,16 @@ def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 
+def _abstract(x):
+    """An array's type, shape and placement (what a program is compiled for): an array on the
+    default device, not placed there (`committed`), stays unplaced, as are the outputs of a
+    program compiled for it (a placed output would make the scheduler's step compile again)."""
+    if isinstance(x, jax.Array):
+        sharding = x.sharding if x.committed else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    return x
+
+
 # Shapes warm-up compiles (or loads) at once: each compilation holds its own XLA buffers.
 WARMUP_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
 
@@ -260,27 +270,41 @@ class Runner:
         return idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks
 
     def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
-        """Compile (or load) every shape in `shapes`, several at a time, then run each once,
-        writing nothing; until `stop()`. XLA compiles, and loads compiled code, outside Python's
-        lock: on 2 cores a first run's warm-up takes about 0.7x of one at a time."""
+        """Compile (or load) every shape in `shapes`, several at a time, and run each once as
+        soon as it is ready, writing nothing; until `stop()`. XLA compiles, and loads compiled
+        code, outside Python's lock, so the runs overlap the compilations still going. A run is
+        needed: a program's first run does one-time work (XLA's CPU dot library builds its
+        pipelines then), which would otherwise fall on the clock."""
+        # The buffers' types, not the buffers: the runs donate the cache while others compile.
+        buffers = jax.tree.map(_abstract, self._buffers())
 
         def prepare(shape):
             if not stop():
-                self._program(shape, self._args(self._idle_rows(shape)))
+                self._program(shape, (*buffers, *self._placed(self._idle_rows(shape))))
 
         with ThreadPoolExecutor(WARMUP_THREADS) as pool:
-            list(pool.map(prepare, shapes))
-        for shape in shapes:
-            if stop():
-                break
-            self._call(shape, *self._idle_rows(shape))
+            ready = [pool.submit(prepare, shape) for shape in shapes]
+            try:
+                for shape, prepared in zip(shapes, ready):
+                    prepared.result()
+                    if stop():
+                        break
+                    self._call(shape, *self._idle_rows(shape))
+            finally:
+                pool.shutdown(cancel_futures=True)
         jax.block_until_ready(self.cache)
 
     def _args(self, rows: tuple) -> tuple:
         """A pass's arguments: the device buffers, then its rows."""
+        return (*self._buffers(), *self._placed(rows))
+
+    def _buffers(self) -> tuple:
+        return self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids
+
+    def _placed(self, rows: tuple) -> tuple:
         if self.mesh is not None:  # every call's rows placed alike: one compilation per shape
             rows = jax.device_put(rows, replicated(self.mesh))
-        return self.params, self.cache, self.token_buf, self.prompt_len, self.request_ids, *rows
+        return rows
 
     def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
         """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device
