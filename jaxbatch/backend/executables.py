@@ -117,10 +117,19 @@ def _key(static: tuple, args: tuple) -> str:
     return hashlib.sha256(repr(made_of).encode()).hexdigest()[:40]
 
 
+def abstract(x):
+    """An array's type, shape and placement (what a program is compiled for): an array on the
+    default device, not placed there (`committed`), stays unplaced, as are the outputs of a
+    program compiled for it (a placed output would make the scheduler's step compile again)."""
+    if isinstance(x, jax.Array):
+        sharding = x.sharding if x.committed else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    return x
+
+
 def _signature(x) -> tuple:
-    if isinstance(x, jax.Array):  # placed (`committed`), or wherever its program runs
-        return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding if x.committed else None))
-    if isinstance(x, jax.ShapeDtypeStruct):  # an array's type (the runner's warm-up)
+    x = abstract(x)  # an array and its type find the same program
+    if isinstance(x, jax.ShapeDtypeStruct):
         return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
     if isinstance(x, (np.ndarray, np.generic)):
         return (x.shape, str(x.dtype))

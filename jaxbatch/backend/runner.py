@@ -24,7 +24,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
-from jaxbatch.backend.executables import compiled
+from jaxbatch.backend.executables import abstract, compiled
 from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params
 from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
@@ -161,16 +161,6 @@ def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 
-def _abstract(x):
-    """An array's type, shape and placement (what a program is compiled for): an array on the
-    default device, not placed there (`committed`), stays unplaced, as are the outputs of a
-    program compiled for it (a placed output would make the scheduler's step compile again)."""
-    if isinstance(x, jax.Array):
-        sharding = x.sharding if x.committed else None
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    return x
-
-
 # Shapes warm-up compiles (or loads) at once: each compilation holds its own XLA buffers.
 WARMUP_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
 
@@ -276,7 +266,7 @@ class Runner:
         needed: a program's first run does one-time work (XLA's CPU dot library builds its
         pipelines then), which would otherwise fall on the clock."""
         # The buffers' types, not the buffers: the runs donate the cache while others compile.
-        buffers = jax.tree.map(_abstract, self._buffers())
+        buffers = jax.tree.map(abstract, self._buffers())
 
         def prepare(shape):
             if not stop():
