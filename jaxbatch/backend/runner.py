@@ -75,9 +75,10 @@ class PassOut:
     ks: tuple[Array, ...]  # per layer [N, T, kv_heads, head_dim]
     vs: tuple[Array, ...]
     index: CacheIndex
-    emit_req: Array  # [N] the request a row's drawn token belongs to; out of range: none
-    next_pos: Array  # [N] that token's position
-    drawn: Array  # [N]
+    # Per sampled row (every row; a flat pass: each slot's last row, slot s at row s):
+    emit_req: Array  # [S] the request a row's drawn token belongs to; out of range: none
+    next_pos: Array  # [S] that token's position
+    drawn: Array  # [S]
     tokens: Array  # [num_slots] each slot's drawn token, -1 where none
     logits: Array | None  # [num_slots, vocab] with `with_logits`
 
@@ -98,9 +99,17 @@ def _forward(
     table = row_table if isinstance(cache, PagedCache) else None
     slots = None if shape.all_slots else row_slot
     index = CacheIndex(slots, positions, valid, table, shape.tiles, QUERY_TILE, num_slots)
+    sampled = None
+    if shape.flat:  # only each slot's last row samples: the LM head runs on slots, not rows
+        at = jnp.where(row_last, row_slot, num_slots)
+        rows = jnp.arange(shape.rows, dtype=jnp.int32)
+        sampled = jnp.zeros(num_slots, jnp.int32).at[at].set(rows, mode="drop")
+        row_last = jnp.zeros(num_slots, bool).at[at].set(True, mode="drop")
+        row_slot = jnp.arange(num_slots, dtype=jnp.int32)
+        row_req, row_start, row_len = (x[sampled] for x in (row_req, row_start, row_len))
     logits, (ks, vs), cache = Transformer(spec).apply(
         {"params": params}, tokens, positions, cache, index, shape.context,
-        logit_index=jnp.maximum(row_len - 1, 0), write=write,
+        logit_index=jnp.maximum(row_len - 1, 0), logit_rows=sampled, write=write,
     )  # fmt: skip
     next_pos = row_start + row_len
     drawn = sample(logits, request_ids.at[row_req].get(mode="clip"), next_pos, sampling)

@@ -73,7 +73,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens, positions: [N, T]. Returns logits [N, T, V] (or [N, V] at `logit_index` per row),
+    """tokens, positions: [N, T]. Returns logits [N, T, V] (or [N, V] at `logit_index` per row;
+    only the rows `logit_rows` [S], in that order, where given: [S, ...]),
     this pass's K and V per layer, and the cache: with `write`, updated layer by layer; without,
     as given (the caller writes the K/V later with `cache.write`)."""
 
@@ -88,6 +89,7 @@ class Transformer(nn.Module):
         index: CacheIndex | None = None,
         ctx_len: int = 0,
         logit_index: Array | None = None,
+        logit_rows: Array | None = None,
         write: bool = True,
     ):
         s = self.spec
@@ -98,6 +100,8 @@ class Transformer(nn.Module):
             block = Block(s, layer, name=f"layer_{layer}")
             x, kv, cache = block(x, positions, cache, index, ctx_len, write)
             new_kv.append(kv)
+        if logit_rows is not None:  # the head runs only on the rows that sample
+            x = x[logit_rows]
         x = RMSNorm(s.norm_eps, name="final_norm")(x)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
