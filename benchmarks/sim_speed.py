@@ -1,5 +1,6 @@
-"""Simulated passes per second: the host loop, the device loop, and a sweep of `--members` arrival
-rates as one vmapped device loop against the same runs one after another (the target: 10x).
+"""Simulated passes per second: the host loop, the device loop, and sweeps of `--members` runs (over
+arrival rates, and over workload seeds) as one vmapped device loop against the same runs one after
+another (the target: 10x).
 Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
 16..256) per run, Llama-3 8B priced on one H100. Compilation is excluded from every figure and
 printed apart. Asserts nothing.
@@ -49,29 +50,38 @@ def main() -> None:
         print(f"{loop:>6} loop, one run: {res.record.num_passes} passes in {seconds:.2f} s "
               f"({res.record.num_passes / seconds:,.0f} passes/s, compile excluded: "
               f"{res.warmup_s:.1f} s apart)")  # fmt: skip
-    # A sweep over arrival rates: the same requests, arrivals stretched from 0.25x to 4x, run
-    # one by one (`run_device`, as `simulate` runs them) and as one program (`run_sweep`).
+    # Two sweeps, each run one by one (`run_device`, as `simulate` runs them) and as one program
+    # (`run_sweep`): over arrival rates (the same requests, arrivals stretched from 0.25x to 4x:
+    # members of very different lengths) and over workload seeds (members of about one length).
     memory = memory_spec(cfg)
     backend = build_backend(cfg, workload, memory)
     policy, params = make_policy("continuous"), PolicyParams()
-    fed = int((workload.prompt_len + workload.max_new).sum()) + 16
-    scales = np.geomspace(0.25, 4.0, args.members)
 
-    def state(scale):
-        return init_state(workload.arrival * scale, workload.prompt_len, workload.max_new,
-                          np.zeros(len(workload), bool), args.slots, memory=memory)  # fmt: skip
+    def state(w, scale=1.0):
+        return init_state(w.arrival * scale, w.prompt_len, w.max_new, np.zeros(len(w), bool),
+                          args.slots, memory=memory)  # fmt: skip
 
-    states = [state(s) for s in scales]
-    alone = [run_device(policy, params, st, backend, fed) for st in states]
-    together = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed)
-    passes = sum(r.record.num_passes for r in alone)
-    assert passes == sum(r.record.num_passes for r in together)
-    sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s
-    compile_s = sum(r.warmup_s for r in alone)
-    print(f"{args.members} members, {passes} passes in all: one by one {sequential:.2f} s "
-          f"({passes / sequential:,.0f} passes/s; compiles {compile_s:.1f} s apart), vmapped "
-          f"{vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
-          f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x")  # fmt: skip
+    seeds = [from_config(dataclasses.replace(cfg.workload, seed=s)) for s in range(args.members)]
+    sweeps = {
+        "arrival rates 0.25x..4x": [state(workload, s) for s in np.geomspace(0.25, 4.0, args.members)],
+        "workload seeds": [state(w) for w in seeds],
+    }  # fmt: skip
+    for name, states in sweeps.items():
+        fed = max(int(np.asarray(st.prompt_len).sum() + np.asarray(st.max_new).sum())
+                  for st in states) + 16  # fmt: skip
+        alone = [run_device(policy, params, st, backend, fed) for st in states]
+        together = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed)
+        counts = [r.record.num_passes for r in alone]
+        passes = sum(counts)
+        assert passes == sum(r.record.num_passes for r in together)
+        sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s
+        compile_s = sum(r.warmup_s for r in alone)
+        print(f"{args.members} members over {name}, {passes} passes in all (the longest member "
+              f"{max(counts) / np.mean(counts):.2f}x the mean: members step together until it "
+              f"ends): one by one {sequential:.2f} s ({passes / sequential:,.0f} passes/s; "
+              f"compiles {compile_s:.1f} s apart), vmapped {vmapped:.2f} s "
+              f"({passes / vmapped:,.0f} passes/s; compile {together[0].warmup_s:.1f} s apart): "
+              f"{sequential / vmapped:.1f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
