@@ -72,9 +72,16 @@ def _load(key: str):
     return program
 
 
+# XLA's CPU backend splits a program's code into parallel-compiled modules; a program split so and
+# serialized may fail when loaded ("Function ... not found" at its first run, seen with jaxlib
+# 0.10.2 at LLVM's default optimisation level). Programs for the store are compiled whole.
+_WHOLE = {"xla_cpu_parallel_codegen_split_count": 1}
+
+
 def _compile(jitted, args: tuple, key: str):
-    program = jitted.lower(*args).compile()
     folder = store()
+    whole = folder is not None and jax.default_backend() == "cpu"
+    program = jitted.lower(*args).compile(_WHOLE if whole else None)
     if folder is not None:
         try:
             devices = program._executable._unloaded_executable.device_list  # as JAX's serialize
