@@ -34,9 +34,13 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _count("requests")
 
 
+_thread = threading.local()  # `loaded_from_cache`: what this thread's compilations were
+
+
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         _count("cache_hits")
+        _thread.hits = getattr(_thread, "hits", 0) + 1  # JAX reports it on the compiling thread
 
 
 monitoring.register_event_duration_secs_listener(_on_duration)
@@ -53,6 +57,11 @@ def cache_hits() -> int:
     """Executables loaded from the compile cache (JAX's or the passes' folder) in this process
     so far."""
     return _counts["cache_hits"] + _counts["loaded"]
+
+
+def thread_cache_hits() -> int:
+    """Executables this thread has loaded from JAX's persistent cache so far."""
+    return getattr(_thread, "hits", 0)
 
 
 def note_loaded() -> None:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxbatch.backend.compilation import note_loaded, store
+from jaxbatch.backend.compilation import note_loaded, store, thread_cache_hits
 
 _log = logging.getLogger(__name__)
 _compiled: dict[str, object] = {}  # the process's programs, by key
@@ -72,16 +72,15 @@ def _load(key: str):
     return program
 
 
-# XLA's CPU backend splits a program's code into parallel-compiled modules; a program split so and
-# serialized may fail when loaded ("Function ... not found" at its first run, seen with jaxlib
-# 0.10.2 at LLVM's default optimisation level). Programs for the store are compiled whole.
-_WHOLE = {"xla_cpu_parallel_codegen_split_count": 1}
-
-
 def _compile(jitted, args: tuple, key: str):
+    hits = thread_cache_hits()
+    program = jitted.lower(*args).compile()
     folder = store()
-    whole = folder is not None and jax.default_backend() == "cpu"
-    program = jitted.lower(*args).compile(_WHOLE if whole else None)
+    # A program JAX loaded from its own persistent cache is not saved: serialized again, it failed
+    # at its first run once loaded ("Function negate_power_fusion not found", jaxlib 0.10.2 on
+    # CPU). Only programs compiled here are saved; the others stay in JAX's cache.
+    if thread_cache_hits() > hits:
+        folder = None
     if folder is not None:
         try:
             devices = program._executable._unloaded_executable.device_list  # as JAX's serialize
