@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,25 @@ def test_second_run_compiles_nothing_and_loads_what_the_first_compiled(tmp_path)
     assert second["compile_cache_hits"] == first["num_compiles"]
     tokens = [(tmp_path / run / "tokens.jsonl").read_text() for run in ("first", "second")]
     assert tokens[0] == tokens[1]
+
+
+def test_a_pass_jax_loaded_from_its_own_cache_is_not_saved_again(tmp_path):
+    """Serialized again, an executable JAX loaded from its persistent cache failed once loaded
+    (jaxlib 0.10.2 on CPU), so the store saves only passes compiled in the process: with the
+    store emptied, a run finds every pass in JAX's cache and saves none; the next run does the
+    same, and all three give the same tokens."""
+    cache = tmp_path / "cache"
+    first = _run(tmp_path / "first", cache)
+    saved = len(list((cache / "executables").glob("*.exe")))
+    assert 0 < saved < first["num_compiles"]  # the passes, not the scheduler's programs
+    shutil.rmtree(cache / "executables")
+    for run in ("second", "third"):
+        again = _run(tmp_path / run, cache)
+        assert again["num_compiles"] == 0
+        assert again["compile_cache_hits"] == first["num_compiles"]  # all from JAX's cache
+        assert not list((cache / "executables").glob("*.exe"))
+    tokens = {(tmp_path / r / "tokens.jsonl").read_text() for r in ("first", "second", "third")}
+    assert len(tokens) == 1
 
 
 def _runner(spec, params, temperature: float = 0.0) -> Runner:
