@@ -34,7 +34,7 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _count("requests")
 
 
-_thread = threading.local()  # `loaded_from_cache`: what this thread's compilations were
+_thread = threading.local()  # `hits`: executables this thread loaded from JAX's cache
 
 
 def _on_event(event: str, **kwargs) -> None:

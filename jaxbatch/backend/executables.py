@@ -8,7 +8,8 @@ it is made from, known before tracing: the source of the jaxbatch package, the v
 jaxlib, flax and numpy, the devices and the processor, XLA's flags and every JAX setting, the
 program's static arguments, and the types, shapes and placements of its arguments. A change to any
 of them is another key, so no program compiled from other code or for other inputs is loaded.
-A program not found is compiled (through JAX's cache) and saved.
+A program not found is compiled (through JAX's cache) and saved, unless JAX's cache held it
+(see `_compile`).
 """
 
 from __future__ import annotations
