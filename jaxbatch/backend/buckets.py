@@ -102,8 +102,10 @@ class Buckets:
         it; the device loops record it. Decode: every slot, one token, its context bucket.
         Mixed: one row per token, padded to a power of two, or beyond where its prompt chunks
         need more query tiles (many short chunks in one pass); at the token budget's bucket, the
-        shape with tiles for any plan (`any_plan`). Prefill: the count and length buckets of its
-        prompts; prompts that all start at position 0 read no cached context. `mixed_rows`
+        shape with tiles for any plan (`any_plan`); its context is the bucket of its rows'
+        first positions (it reads only what was cached before it). Prefill: the count and
+        length buckets of its prompts; prompts that all start at position 0 read no cached
+        context. `mixed_rows`
         (traced, as the simulator's sweeps vary the token budget) stands for the field."""
         active = plan.num_tokens > 0
         max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0))
@@ -117,7 +119,8 @@ class Buckets:
         count = self.count(xp.sum(active), xp)
         rows = xp.where(decode, self.num_slots, xp.where(mixed, mixed_rows, count))
         tokens = xp.where(decode | mixed, 1, self.length(xp.max(plan.num_tokens), xp))
-        context = xp.where(decode | mixed | (max_start > 0), self.context(max_end, xp), 0)
+        context = xp.where(decode | (max_start > 0), self.context(max_end, xp), 0)
+        context = xp.where(mixed, self.context(max_start, xp), context)
         return rows, tokens, context, mixed & (xp.maximum(1, mixed_rows // QUERY_TILE) < tiles)
 
     def shape_of(self, plan: Plan) -> PassShape:

@@ -4,10 +4,10 @@ Rows come in three layouts (see `CacheIndex`): every slot one row of one token (
 per slot of several tokens (prefill), and flat rows of one token each with a slot's rows
 consecutive (the mixed pass of selective batching). A flat pass reads each slot's cached context
 once for the slot's last row, and once per query tile of a prompt chunk's other rows (as ragged
-paged attention kernels do with their query blocks), never once per row. A pass that wrote its
-K/V into the cache before attending (`written`) attends over the cache alone; one that only reads
-the cache attends over the context its slots cached before it plus its own keys. Never writes the
-cache.
+paged attention kernels do with their query blocks), never once per row. A decode or prefill
+pass that wrote its K/V into the cache before attending (`written`) attends over the cache alone;
+a flat pass, and one that only reads the cache, attends over the context its slots cached before
+it plus its own keys. Never writes the cache.
 """
 
 from __future__ import annotations
@@ -32,17 +32,23 @@ def pass_attention(
     attention: str = "xla",
 ) -> Array:
     """q [N, T, H, D] and this pass's k, v [N, T, Hkv, D] -> [N, T, H, D]. `ctx_len`: cached
-    positions read per row (0: none, a pass whose rows all start at position 0)."""
+    positions read per row (0: none, a pass whose rows all start at position 0; a flat pass: at
+    least its rows' first positions, see `Buckets.shape_fields`)."""
     decode = index.slots is None and not index.tiles and q.shape[1] == 1
     if attention == "pallas" and written and ctx_len and decode and isinstance(cache, PagedCache):
         return merge([paged_decode(q, cache.k[layer], cache.v[layer], index.positions,
                                    index.valid, index.block_table)], q.dtype)  # fmt: skip
     part = fused_partial if attention == "cudnn" else partial
+    # A flat pass never reads its own keys back from the cache: its rows attend to them in one
+    # product over the pass's rows, and read only the context cached before the pass (its
+    # `ctx_len` covers its rows' starts, not their ends). Read back, each query tile of a long
+    # chunk gathered the whole context up to the chunk's end, a copy per tile.
+    cached = written and not index.tiles
     parts = []
     if ctx_len:
         read = _cached_flat if index.tiles else _cached_rows
-        parts += read(q, cache, layer, index, ctx_len, written, part)
-    if not (written and ctx_len):
+        parts += read(q, cache, layer, index, ctx_len, cached, part)
+    if not (cached and ctx_len):
         parts.append(_own(q, k, v, index, part))
     return merge(parts, q.dtype)
 

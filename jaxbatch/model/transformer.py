@@ -60,7 +60,7 @@ class Block(nn.Module):
         if cache is None:
             out = attend(q, k, v, causal(positions, positions))
         else:
-            if write:  # then attention reads this pass's K/V from the cache with the rest
+            if write:  # first: a pass that reads the cache after writing it needs no copy
                 cache = cache.write_layer(self.layer, k, v, index)
             out = pass_attention(
                 q, k, v, cache, self.layer, index, ctx_len, written=write, attention=s.attention
