@@ -111,7 +111,8 @@ def _terms(spec: ModelSpec, plan: Plan, computed: int) -> tuple[np.ndarray, np.n
     """Each operation's (FLOPs, bytes): the matmuls (at `computed` tokens, the pass's padded
     shape) and LM head [K, 2], and attention [R, 2], one row per request."""
     fed = plan.num_tokens > 0
-    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed], 1, computed)
+    flat = int(plan.kind) == MIXED
+    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed], 1, computed, flat)
     rows = {op: np.stack([np.ravel(f), np.ravel(b)], -1).astype(np.float64)
             for op, (f, b) in work.items()}  # fmt: skip
     attention = rows.pop("attention")

@@ -48,6 +48,14 @@ def test_work_of_a_pass_by_hand():
     # Attention: 3 + 1 (query, key) pairs, then 0 + 10; K/V of 4 positions each, Q and O rows.
     assert got["attention"] == ([4 * 8 * 4, 4 * 8 * 10], [128 + 64, 128 + 256])
     assert got["lm_head"] == (2 * 2 * 80, 80 * 4 + 2 * 18 * 4)
+    assert got["own_keys"] == (0, 0)  # not a padded flat pass
+    # A padded flat (mixed) pass of 8 rows: its own keys in one product over 8 x 8 row pairs,
+    # attention per request only over what each had cached (3 and 0 pairs).
+    flat = pass_work(SMALL, np.array([1, 4]), np.array([3, 0]), np.array([True, True]),
+                     computed=8, flat=True)  # fmt: skip
+    assert np.asarray(flat["own_keys"][0]).tolist() == 4 * 8 * 64
+    assert np.asarray(flat["attention"][0]).tolist() == [4 * 8 * 3, 0]
+    assert np.asarray(flat["qkv"][0]).tolist() == 2 * 8 * 128
 
 
 def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():

@@ -59,15 +59,18 @@ def matmuls(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 def pass_work(
     spec: ModelSpec, num_tokens: Array, start_pos: Array, sampled: Array, tp: int = 1,
-    computed: Array | None = None,
+    computed: Array | None = None, flat=False,
 ):  # fmt: skip
     """FLOPs and bytes of each operation of a pass, per device of a `tp`-way group (activations
     counted as if split `tp` ways).
 
     num_tokens, start_pos [B]: what each slot feeds and where; sampled [B] bool: the slots whose
     last token is sampled; `computed`: the tokens the matmuls run on, padding included (None: the
-    tokens fed). Returns {op: (flops, bytes)}, where attention's entries are [B] (one per request
-    and all layers) and the others scalars (all layers)."""
+    tokens fed). `flat` (with `computed`; a bool, traced or not): a mixed pass as the runner
+    computes it, whose rows attend to the pass's own keys in one product over all its `computed`
+    rows (`own_keys`, priced as a matmul), not per request. Returns {op: (flops, bytes)}, where
+    attention's entries are [B] (one per request and all layers) and the others scalars (all
+    layers)."""
     n = jnp.asarray(num_tokens, jnp.float32)
     s = jnp.asarray(start_pos, jnp.float32)
     tokens = n.sum() if computed is None else jnp.asarray(computed, jnp.float32)
@@ -79,10 +82,14 @@ def pass_work(
     for op, (params, io) in matmuls(spec).items():
         p = params / tp
         work[op] = (layers * 2 * tokens * p, layers * (p * w + tokens * io / tp * a))
-    # Attention: a request's n new queries see its s cached keys and the causal part of its own.
-    pairs = n * s + n * (n + 1) / 2
+    # Attention: a request's n new queries see its s cached keys and the causal part of its own;
+    # a padded flat pass computes its own keys' part for every pair of its rows, as one product.
+    own = jnp.asarray(flat) & (computed is not None)
+    pairs = n * s + jnp.where(own, 0.0, n * (n + 1) / 2)
     heads, kv_heads = spec.n_heads / tp, spec.n_kv_heads / tp
-    flops = layers * 4 * heads * spec.head_dim * pairs
+    per_pair = layers * 4 * heads * spec.head_dim
+    work["own_keys"] = (jnp.where(own, per_pair * tokens * tokens, 0.0), jnp.float32(0.0))
+    flops = per_pair * pairs
     kv_bytes = layers * 2 * kv_heads * spec.head_dim * kv * (s + n)  # read context, write new
     qo_bytes = layers * 2 * n * heads * spec.head_dim * a
     work["attention"] = (flops, kv_bytes + qo_bytes)
@@ -92,15 +99,16 @@ def pass_work(
 
 
 def price(
-    spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1, computed=None
-) -> Array:
-    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw` (`computed`: see
+    spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1, computed=None,
+    flat=False,
+) -> Array:  # fmt: skip
+    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw` (`computed`, `flat`: see
     `pass_work`; used when `hw.padded`)."""
     compute = hw.peak_flops * hw.compute_efficiency
     memory = hw.memory_bandwidth * hw.memory_efficiency
     total = jnp.float32(hw.pass_overhead_s)
     computed = computed if hw.padded else None
-    work = pass_work(spec, num_tokens, start_pos, sampled, tp, computed)
+    work = pass_work(spec, num_tokens, start_pos, sampled, tp, computed, flat)
     for op, (flops, nbytes) in work.items():
         scale = hw.attention_efficiency if op == "attention" else 1.0
         total = total + jnp.maximum(flops / compute, nbytes / memory).sum() / scale

@@ -15,7 +15,7 @@ from jax import Array
 from jaxbatch.backend.buckets import Buckets, PassShape
 from jaxbatch.backend.cost_model import Hardware, price
 from jaxbatch.model.spec import ModelSpec
-from jaxbatch.sched.state import Plan
+from jaxbatch.sched.state import MIXED, Plan
 
 
 class Simulator:
@@ -42,7 +42,8 @@ class Simulator:
                 plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
                 rows, tokens, _, _ = self.buckets.shape_fields(plan, jnp, mixed_rows)
                 fed = num_tokens > 0
-                return price(spec, hw, num_tokens, start_pos, fed, tp, rows * tokens)
+                flat = kind == MIXED
+                return price(spec, hw, num_tokens, start_pos, fed, tp, rows * tokens, flat)
 
             self._price = jax.jit(priced)
             self.price_plan = lambda plan, rows: priced(plan.num_tokens, plan.start_pos,
