@@ -50,21 +50,27 @@ def test_second_run_compiles_nothing_and_loads_what_the_first_compiled(tmp_path)
     assert tokens[0] == tokens[1]
 
 
-def test_a_pass_jax_loaded_from_its_own_cache_is_not_saved_again(tmp_path):
+def test_a_pass_jax_loaded_from_its_own_cache_is_saved_with_the_bytes_jax_read(tmp_path):
     """Serialized again, an executable JAX loaded from its persistent cache failed once loaded
-    (jaxlib 0.10.2 on CPU), so the store saves only passes compiled in the process: with the
-    store emptied, a run finds every pass in JAX's cache and saves none; the next run does the
-    same, and all three give the same tokens."""
+    (jaxlib 0.10.2 on CPU), so the store saves such a pass with the bytes JAX read: with the
+    store emptied, a run finds every pass in JAX's cache and saves each; the next run loads them
+    from the store (renewing each file's time) and runs them, and all three give the same
+    tokens."""
     cache = tmp_path / "cache"
     first = _run(tmp_path / "first", cache)
-    saved = len(list((cache / "executables").glob("*.exe")))
-    assert 0 < saved < first["num_compiles"]  # the passes, not the scheduler's programs
-    shutil.rmtree(cache / "executables")
-    for run in ("second", "third"):
-        again = _run(tmp_path / run, cache)
-        assert again["num_compiles"] == 0
-        assert again["compile_cache_hits"] == first["num_compiles"]  # all from JAX's cache
-        assert not list((cache / "executables").glob("*.exe"))
+    store = cache / "executables"
+    saved = sorted(p.name for p in store.glob("*.exe"))
+    assert 0 < len(saved) < first["num_compiles"]  # the passes, not the scheduler's programs
+    shutil.rmtree(store)
+    second = _run(tmp_path / "second", cache)
+    assert second["num_compiles"] == 0
+    assert second["compile_cache_hits"] == first["num_compiles"]  # all from JAX's cache
+    assert sorted(p.name for p in store.glob("*.exe")) == saved  # and the passes saved again
+    for path in store.glob("*.exe"):
+        os.utime(path, (0, 0))
+    third = _run(tmp_path / "third", cache)
+    assert (third["num_compiles"], third["compile_cache_hits"]) == (0, first["num_compiles"])
+    assert all(path.stat().st_mtime > 0 for path in store.glob("*.exe"))  # loaded from the store
     tokens = {(tmp_path / r / "tokens.jsonl").read_text() for r in ("first", "second", "third")}
     assert len(tokens) == 1
 

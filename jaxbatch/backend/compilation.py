@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 from jax import monitoring
+from jax._src import compilation_cache as jax_cache  # private: see `_keep_entries`
 from jax.experimental.compilation_cache import compilation_cache
 
 _counts = {"requests": 0, "cache_hits": 0, "loaded": 0}
@@ -34,7 +35,8 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _count("requests")
 
 
-_thread = threading.local()  # `hits`: executables this thread loaded from JAX's cache
+_thread = threading.local()  # `hits`: executables this thread loaded from JAX's cache; `entry`
+# the serialized executable JAX's cache last gave this thread (see `_keep_entries`)
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -45,6 +47,27 @@ def _on_event(event: str, **kwargs) -> None:
 
 monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
+
+
+def _keep_entries() -> None:
+    """Keep, per thread, the serialized executable of each entry JAX's persistent cache reads (it
+    splits the entry with `extract_executable_and_time` and then loads it): the store saves a
+    program JAX loaded from its cache with these bytes (executables.py). A JAX without that
+    function keeps nothing, and such programs are then not saved."""
+    extract = getattr(jax_cache, "extract_executable_and_time", None)
+    if extract is None or getattr(extract, "keeps_entries", False):
+        return
+
+    def extracting(entry: bytes):
+        executable, compile_time = extract(entry)
+        _thread.entry = executable
+        return executable, compile_time
+
+    extracting.keeps_entries = True
+    jax_cache.extract_executable_and_time = extracting
+
+
+_keep_entries()
 
 
 def num_compiles() -> int:
@@ -62,6 +85,13 @@ def cache_hits() -> int:
 def thread_cache_hits() -> int:
     """Executables this thread has loaded from JAX's persistent cache so far."""
     return getattr(_thread, "hits", 0)
+
+
+def take_thread_entry() -> bytes | None:
+    """The serialized executable JAX's persistent cache last gave this thread (None: none since
+    the last call), forgotten as it is taken."""
+    entry, _thread.entry = getattr(_thread, "entry", None), None
+    return entry
 
 
 def note_loaded() -> None:

@@ -8,8 +8,8 @@ it is made from, known before tracing: the source of the jaxbatch package, the v
 jaxlib, flax and numpy, the devices and the processor, XLA's flags and every JAX setting, the
 program's static arguments, and the types, shapes and placements of its arguments. A change to any
 of them is another key, so no program compiled from other code or for other inputs is loaded.
-A program not found is compiled (through JAX's cache) and saved, unless JAX's cache held it
-(see `_compile`).
+A program not found is compiled (through JAX's cache) and saved; one JAX's cache held is saved
+with the bytes JAX read (see `_compile`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import io
 import logging
 import os
 import pickle
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxbatch.backend.compilation import note_loaded, store, thread_cache_hits
+from jaxbatch.backend.compilation import note_loaded, store, take_thread_entry, thread_cache_hits
 
 _log = logging.getLogger(__name__)
 _compiled: dict[str, object] = {}  # the process's programs, by key
@@ -75,18 +76,20 @@ def _load(key: str):
 
 def _compile(jitted, args: tuple, key: str):
     hits = thread_cache_hits()
+    take_thread_entry()
     program = jitted.lower(*args).compile()
     folder = store()
-    # A program JAX loaded from its own persistent cache is not saved: serialized again, it failed
-    # at its first run once loaded ("Function negate_power_fusion not found", jaxlib 0.10.2 on
-    # CPU). Only programs compiled here are saved; the others stay in JAX's cache.
-    if thread_cache_hits() > hits:
-        folder = None
+    # A program JAX loaded from its own persistent cache is saved with the bytes JAX read, never
+    # serialized again: serialized again, it failed at its first run once loaded ("Function
+    # negate_power_fusion not found", jaxlib 0.10.2 on CPU).
+    executable = take_thread_entry() if thread_cache_hits() > hits else None
+    if executable is None and thread_cache_hits() > hits:
+        folder = None  # this JAX does not say what it read: the program stays in JAX's cache
     if folder is not None:
         try:
             devices = program._executable._unloaded_executable.device_list  # as JAX's serialize
             ids = [d.id for d in devices]
-            blob = pickle.dumps((serialize_executable.serialize(program), ids))
+            blob = pickle.dumps((_serialized(program, executable), ids))
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{key}.{os.getpid()}.tmp"  # renamed whole: no reader sees half
             tmp.write_bytes(blob)
@@ -95,6 +98,32 @@ def _compile(jitted, args: tuple, key: str):
         except Exception as err:  # a full disk or a read-only folder costs the next run time only
             _log.warning("could not save a compiled pass in %s (%s)", folder, err)
     return program
+
+
+class _Pickler(serialize_executable._JaxPjrtPickler):
+    """JAX's pickler of a compiled program, with the executable's bytes as given."""
+
+    def __init__(self, file, executable: bytes):
+        super().__init__(file)
+        self.executable = executable
+
+    def persistent_id(self, obj):
+        if isinstance(obj, (serialize_executable.xc.LoadedExecutable,
+                            serialize_executable._jax.Executable)):  # fmt: skip
+            return ("exec", self.executable)
+        return super().persistent_id(obj)
+
+
+def _serialized(program, executable: bytes | None) -> tuple:
+    """`serialize_executable.serialize(program)`, or (`executable`: the bytes JAX's cache loaded
+    it from) the same with those bytes for its executable, as `deserialize_and_load` reads them."""
+    if executable is None:
+        return serialize_executable.serialize(program)
+    args_info, in_tree = jax.tree_util.tree_flatten(program.args_info)
+    with io.BytesIO() as file:
+        unloaded = program._executable._unloaded_executable
+        _Pickler(file, executable).dump((unloaded, args_info, program._no_kwargs))
+        return file.getvalue(), in_tree, program.out_tree
 
 
 def prune(folder: Path, limit: int) -> None:
