@@ -82,8 +82,9 @@ def _compile(jitted, args: tuple, key: str):
     # A program JAX loaded from its own persistent cache is saved with the bytes JAX read, never
     # serialized again: serialized again, it failed at its first run once loaded ("Function
     # negate_power_fusion not found", jaxlib 0.10.2 on CPU).
-    executable = take_thread_entry() if thread_cache_hits() > hits else None
-    if executable is None and thread_cache_hits() > hits:
+    from_jax = thread_cache_hits() > hits
+    executable = take_thread_entry() if from_jax else None
+    if from_jax and executable is None:
         folder = None  # this JAX does not say what it read: the program stays in JAX's cache
     if folder is not None:
         try:
