@@ -105,8 +105,8 @@ class Buckets:
         shape with tiles for any plan (`any_plan`); its context is the bucket of its rows'
         first positions (it reads only what was cached before it). Prefill: the count and
         length buckets of its prompts; prompts that all start at position 0 read no cached
-        context. `mixed_rows`
-        (traced, as the simulator's sweeps vary the token budget) stands for the field."""
+        context. `mixed_rows` (traced, as the simulator's sweeps vary the token budget) stands
+        for the field."""
         active = plan.num_tokens > 0
         max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0))
         max_start = xp.max(xp.where(active, plan.start_pos, 0))

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 from jax import monitoring
-from jax._src import compilation_cache as jax_cache  # private: see `_keep_entries`
 from jax.experimental.compilation_cache import compilation_cache
 
 _counts = {"requests": 0, "cache_hits": 0, "loaded": 0}
@@ -54,6 +53,10 @@ def _keep_entries() -> None:
     splits the entry with `extract_executable_and_time` and then loads it): the store saves a
     program JAX loaded from its cache with these bytes (executables.py). A JAX without that
     function keeps nothing, and such programs are then not saved."""
+    try:
+        from jax._src import compilation_cache as jax_cache  # private
+    except ImportError:
+        return
     extract = getattr(jax_cache, "extract_executable_and_time", None)
     if extract is None or getattr(extract, "keeps_entries", False):
         return

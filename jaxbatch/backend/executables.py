@@ -101,29 +101,25 @@ def _compile(jitted, args: tuple, key: str):
     return program
 
 
-class _Pickler(serialize_executable._JaxPjrtPickler):
-    """JAX's pickler of a compiled program, with the executable's bytes as given."""
-
-    def __init__(self, file, executable: bytes):
-        super().__init__(file)
-        self.executable = executable
-
-    def persistent_id(self, obj):
-        if isinstance(obj, (serialize_executable.xc.LoadedExecutable,
-                            serialize_executable._jax.Executable)):  # fmt: skip
-            return ("exec", self.executable)
-        return super().persistent_id(obj)
-
-
 def _serialized(program, executable: bytes | None) -> tuple:
     """`serialize_executable.serialize(program)`, or (`executable`: the bytes JAX's cache loaded
-    it from) the same with those bytes for its executable, as `deserialize_and_load` reads them."""
+    it from) the same with those bytes for its executable, as `deserialize_and_load` reads them.
+    The second uses JAX's pickler (a private class): where it differs, saving fails, with a
+    warning, and the program stays in JAX's cache."""
     if executable is None:
         return serialize_executable.serialize(program)
+    se = serialize_executable
+
+    class Pickler(se._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, (se.xc.LoadedExecutable, se._jax.Executable)):
+                return ("exec", executable)
+            return super().persistent_id(obj)
+
     args_info, in_tree = jax.tree_util.tree_flatten(program.args_info)
     with io.BytesIO() as file:
         unloaded = program._executable._unloaded_executable
-        _Pickler(file, executable).dump((unloaded, args_info, program._no_kwargs))
+        Pickler(file).dump((unloaded, args_info, program._no_kwargs))
         return file.getvalue(), in_tree, program.out_tree
 
 
