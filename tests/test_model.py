@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.runner import Runner
+from jaxbatch.model.attention import rope_tables
 from jaxbatch.model.transformer import full_forward
 from jaxbatch.sched.state import DECODE, PREFILL, Plan
 from tests.conftest import make_workload
@@ -85,3 +86,17 @@ def test_bfloat16_cached_passes_match_the_bfloat16_full_forward(spec, params):
         got, want = np.stack(seen[r]), ref[prompt_len[r] - 1 :]
         # Measured: at most 1.7e-3 on logits up to 0.6 (float32 paths agree to 1e-4).
         np.testing.assert_allclose(got, want, atol=5e-3)
+
+
+def test_rope_tables_equal_the_closed_form_at_every_position():
+    """cos and sin of position * theta^(-2i/D), looked up for any position of the table, and
+    for an uncached sequence longer than max_len."""
+    d, theta = 8, 500.0
+    inv_freq = theta ** (-np.arange(0, d, 2) / d)
+    for max_len, positions in ((64, [[0, 1, 63], [17, 40, 2]]), (4, [[0, 1, 2, 3, 4, 5]])):
+        pos = np.asarray(positions, np.int32)
+        cos, sin = rope_tables(jnp.asarray(pos), d, theta, max_len)
+        assert cos.shape == (*pos.shape, 1, d // 2)
+        angles = pos[..., None, None] * inv_freq
+        np.testing.assert_allclose(np.asarray(cos), np.cos(angles), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(sin), np.sin(angles), atol=2e-5)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jaxbatch.model.attention import attend, causal, rope
+from jaxbatch.model.attention import attend, causal, rope, rope_tables
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 from jaxbatch.model.pass_attention import pass_attention
 from jaxbatch.model.spec import ModelSpec
@@ -43,7 +43,7 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, cache, index, ctx_len, write):
+    def __call__(self, x, positions, tables, cache, index, ctx_len, write):
         s, dt = self.spec, self.spec.jnp_dtype
 
         def dense(features, axis=-1, name=None, bias=False):
@@ -54,8 +54,8 @@ class Block(nn.Module):
 
         h = RMSNorm(s.norm_eps, name="attn_norm")(x)
         qkv = partial(dense, bias=s.qkv_bias)
-        q = rope(qkv((s.n_heads, s.head_dim), name="q")(h), positions, s.rope_theta)
-        k = rope(qkv((s.n_kv_heads, s.head_dim), name="k")(h), positions, s.rope_theta)
+        q = rope(qkv((s.n_heads, s.head_dim), name="q")(h), tables)
+        k = rope(qkv((s.n_kv_heads, s.head_dim), name="k")(h), tables)
         v = qkv((s.n_kv_heads, s.head_dim), name="v")(h)
         if cache is None:
             out = attend(q, k, v, causal(positions, positions))
@@ -95,10 +95,11 @@ class Transformer(nn.Module):
         s = self.spec
         x = nn.Embed(s.vocab_size, s.d_model, embedding_init=_init, name="embed")(tokens)
         x = x.astype(jnp.float32)
+        tables = rope_tables(positions, s.head_dim, s.rope_theta, s.max_len)
         new_kv = []
         for layer in range(s.n_layers):
             block = Block(s, layer, name=f"layer_{layer}")
-            x, kv, cache = block(x, positions, cache, index, ctx_len, write)
+            x, kv, cache = block(x, positions, tables, cache, index, ctx_len, write)
             new_kv.append(kv)
         if logit_rows is not None:  # the head runs only on the rows that sample
             x = x[logit_rows]
