@@ -43,27 +43,26 @@ from jaxbatch.workload import from_config
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 
 
-def best_time(fn, repeats: int) -> float:
-    """Median seconds of `fn` (run once first, so compilation is not timed)."""
+def _times(fn, repeats: int) -> list[float]:
+    """Seconds of `repeats` runs of `fn`, run once first so compilation is not timed."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def best_time(fn, repeats: int) -> float:
+    """Median seconds of `fn`."""
+    return statistics.median(_times(fn, repeats))
 
 
 def fastest(fn, repeats: int) -> float:
-    """The fewest seconds `fn` took in `repeats` runs (run once first, so compilation is not
-    timed): a limit of the machine is the best it reaches."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """The fewest seconds `fn` took in `repeats` runs: a limit of the machine is the best it
+    reaches."""
+    return min(_times(fn, repeats))
 
 
 def machine(repeats: int = 5) -> tuple[float, float]:
