@@ -30,18 +30,19 @@ def _execute(runner, kind, req, num_tokens, start):
 
 
 @pytest.mark.parametrize("memory", [None, PAGED], ids=["slot", "paged"])
-def test_mixed_pass_equals_separate_prefill_and_decode(spec, params, memory):
-    prompts = [20, 9]
+@pytest.mark.parametrize("second", [9, 90])  # 90: its rows span two of the own keys' row blocks
+def test_mixed_pass_equals_separate_prefill_and_decode(spec, params, memory, second):
+    prompts = [20, second]
     # Separate: prefill 0, then prefill 1, then decode 0.
     a = _runner(spec, params, prompts, memory)
     tok0, _ = _execute(a, PREFILL, [0, -1], [20, 0], [0, 0])
-    _, pre1 = _execute(a, PREFILL, [-1, 1], [0, 9], [0, 0])
+    _, pre1 = _execute(a, PREFILL, [-1, 1], [0, second], [0, 0])
     _, dec0 = _execute(a, DECODE, [0, -1], [1, 0], [20, 0])
     # Mixed: prefill 0, then one pass holding 0's decode and 1's whole prompt.
     b = _runner(spec, params, prompts, memory)
     tok0_b, _ = _execute(b, PREFILL, [0, -1], [20, 0], [0, 0])
     assert tok0_b[0] == tok0[0]
-    tokens, mixed = _execute(b, MIXED, [0, 1], [1, 9], [20, 0])
+    tokens, mixed = _execute(b, MIXED, [0, 1], [1, second], [20, 0])
     np.testing.assert_allclose(mixed[0], dec0[0], atol=1e-4)
     np.testing.assert_allclose(mixed[1], pre1[1], atol=1e-4)
     np.testing.assert_array_equal(tokens, [dec0[0].argmax(), pre1[1].argmax()])

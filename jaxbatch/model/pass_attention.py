@@ -19,6 +19,15 @@ from jaxbatch.model.attention import Partial, causal, merge, partial
 from jaxbatch.model.kernels import fused_partial, paged_decode
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 
+# A flat pass's rows attend to the pass's own keys in blocks of this many rows, each over the
+# rows up to its own block's end: a slot's rows are consecutive and in position order, so no row
+# sees a later block's key, and the products above the diagonal are skipped (as flash attention
+# skips its masked key blocks). 64-row blocks against one product over every row, side by side
+# in one process (15 decodes and a chunk, medians of 15, two runs): tiny model, 4 KV heads, 256
+# rows 17.6-19.5 ms against 18.9-20.6, 512 rows 36.0-36.8 against 36.4-39.9; `small`, 256 rows
+# 89.9 against 93.8, 512 rows 177 against 192. 128-row blocks measured within noise of 64.
+OWN_BLOCK = 64
+
 
 def pass_attention(
     q: Array,
@@ -140,4 +149,9 @@ def _own(q, k, v, index: CacheIndex, part) -> Partial:
     same = (slots[:, None] == slots[None, :]) & valid[None, :, 0]
     seen = same & (pos[None, :, 0] <= pos[:, 0, None])
     shared = lambda x: x[:, 0].transpose(1, 0, 2)  # noqa: E731  [R, 1, Hkv, D] -> [Hkv, R, D]
-    return part(q, shared(k), shared(v), seen[:, None, :])
+    k, v, r = shared(k), shared(v), q.shape[0]
+    blocks = [  # a block of rows sees no key of a later row: skip the products above the diagonal
+        part(q[lo:hi], k[:, :hi], v[:, :hi], seen[lo:hi, None, :hi])
+        for lo, hi in ((lo, min(lo + OWN_BLOCK, r)) for lo in range(0, r, OWN_BLOCK))
+    ]
+    return Partial(*(jnp.concatenate(x, 0) for x in zip(*blocks)))
