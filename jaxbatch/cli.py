@@ -89,6 +89,8 @@ def execute(
         "compile_cache_hits": result.cache_hits,
         "compile_cache": str(cache_dir(cfg.engine.compile_cache) or "off"),
         "warmup_s": result.warmup_s,
+        "warmup_shapes": result.warmup_shapes,
+        "warmup_planned": result.warmup_planned,
         "wall_s": result.wall_s,
         "resumed_from": cfg.resume or None,
     }
@@ -151,7 +153,8 @@ def summary_table(metrics: dict) -> str:
         ("compiles (after warm-up)",
          f"{metrics['num_compiles']} ({metrics['compiles_after_warmup']}), "
          f"{metrics['compile_cache_hits']} loaded from the compile cache"),
-        ("warm-up", f"{metrics['warmup_s']:.2f} s"),
+        ("warm-up", f"{metrics['warmup_s']:.2f} s, {metrics['warmup_shapes']} pass shapes"
+         + (" (a dry run's)" if metrics["warmup_planned"] else "")),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

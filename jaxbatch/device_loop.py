@@ -260,7 +260,7 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
         record=record, final=final, outputs=backend.outputs(np.asarray(final.num_generated)),
         logits=None, duration_s=end, warmup_s=warmup_s, num_compiles=compiles,
         compiles_after_warmup=compiles_after, cache_hits=hits, wall_s=wall_s,
-        interrupted=interrupted,
+        interrupted=interrupted, warmup_shapes=backend.num_branches,
     )  # fmt: skip
 
 

@@ -4,7 +4,9 @@ Each iteration runs the pass, then commit and the next schedule fused in one jit
 host sync. The clock is wall time measured from the loop's start (or one unit per pass with the
 `passes` clock, or the cost model's price of each pass with the `priced` one); when nothing can
 run it jumps to the policy's wake time, so runs never sleep.
-Warm-up compiles everything before the clock starts. No metrics or I/O here.
+Warm-up compiles everything before the clock starts: every shape the workload can use, or, where
+no plan depends on the clock or the tokens (an offline run without EOS), only the shapes a dry run
+of the loop on a backend that runs nothing meets (`planned_shapes`). No metrics or I/O here.
 
 The host needs the next plan to pick the next pass's compiled shape, so the device would idle
 while the plan travels to the host. After a prefill or decode pass in which no request reaches its
@@ -17,6 +19,7 @@ the right pass. Plans never depend on the guess, so neither do tokens.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +69,8 @@ class RunResult:
     cache_hits: int  # compiled shapes loaded from the persistent compilation cache instead
     wall_s: float  # host wall time of the loop
     interrupted: bool = False  # stopped early (Ctrl-C): the record holds the passes done
+    warmup_shapes: int = 0  # pass shapes the warm-up compiled or loaded, and ran once
+    warmup_planned: bool = False  # those were the shapes a dry run met (`planned_shapes`)
 
     def request_logits(self) -> dict[int, np.ndarray]:
         """Per request, the logits [outputs, V] that produced its output tokens, in order."""
@@ -128,6 +133,57 @@ def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]
     return plan, holder, int(vec[1]), int(vec[2])
 
 
+# The longest dry run that picks a run's warm-up shapes (`planned_shapes`): about 0.3 ms a pass.
+PLANNED_PASSES = 5_000
+
+
+class ShapeLog:
+    """A backend that runs nothing: it logs the shape of every pass the loop asks it for (those
+    dispatched ahead included), in order of first use, and draws token 0 everywhere."""
+
+    def __init__(self, buckets, num_slots: int):
+        self.buckets, self.shapes = buckets, {}
+        self._tokens = jnp.zeros(num_slots, jnp.int32)
+
+    def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
+        pass
+
+    def execute(self, plan: Plan, shape: PassShape, on_device: Plan | None = None):
+        return self.decode(plan, shape)
+
+    def decode(self, plan: Plan, shape: PassShape):
+        self.shapes.setdefault(shape, None)
+        return self._tokens, None
+
+    def outputs(self, num_generated: np.ndarray) -> None:
+        return None
+
+    def carry(self) -> tuple:
+        return ()
+
+    def keep(self, carry: tuple) -> None:
+        pass
+
+
+def fixed_plans(state: SchedState, params: PolicyParams) -> bool:
+    """Whether a run's plans depend on neither its clock nor its tokens: every request is there
+    from the start, no policy waits on the clock for a fuller batch, and no token ends a request
+    (no EOS). Its dry run then meets every plan the run will (`planned_shapes`)."""
+    arrived = bool((np.asarray(state.arrival) <= 0).all())
+    return arrived and float(params.max_wait_s) <= 0 and int(params.eos_id) < 0
+
+
+def planned_shapes(
+    policy: Policy, params: PolicyParams, state: SchedState, buckets, max_passes: int
+) -> list[PassShape] | None:
+    """The shapes of every pass a run of `state` will execute, where its plans are fixed
+    (`fixed_plans`): the loop run once on a `ShapeLog`, on the `passes` clock; None if that took
+    more than `max_passes` passes (a long run needs most shapes anyway)."""
+    log, calls = ShapeLog(buckets, state.num_slots), itertools.count()
+    dry = run(policy, params, state, log, [], "passes", stop=lambda: next(calls) > max_passes)
+    return None if dry.interrupted else list(log.shapes)
+
+
 @cache
 def _stepper(policy: Policy):
     """commit the pass, then schedule the next one: one jitted call and one host sync per pass.
@@ -171,6 +227,10 @@ def run(
     warm_state, warm_plan = schedule(state.replace(now=times.device(0.0)), params)  # as the run
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
+    planned = None
+    if warmup_shapes and resume_from is None and fixed_plans(state, params):
+        planned = planned_shapes(policy, params, state, backend.buckets, PLANNED_PASSES)
+    warmup_shapes = warmup_shapes if planned is None else planned
     backend.warmup(warmup_shapes, stop)
     resumed = None  # restored within warm-up: orbax compiles its own copies
     if resume_from is not None:
@@ -283,4 +343,6 @@ def run(
         cache_hits=cache_hits() - hits0,
         wall_s=wall_s,
         interrupted=interrupted,
+        warmup_shapes=len(warmup_shapes),
+        warmup_planned=planned is not None,
     )

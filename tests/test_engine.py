@@ -8,8 +8,9 @@ import pytest
 
 from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
-from jaxbatch.engine import run
-from jaxbatch.run import simulate
+from jaxbatch.config import MemoryConfig
+from jaxbatch.engine import PLANNED_PASSES, fixed_plans, planned_shapes, run
+from jaxbatch.run import _prepare, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import DECODE, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload
@@ -119,3 +120,39 @@ def test_a_decode_pass_on_a_plan_it_does_not_fit_changes_nothing(spec, params):
         np.testing.assert_array_equal(tokens, [-1, -1])
         after = jax.tree.map(np.asarray, (runner.cache, runner.token_buf))
         assert all((a == b).all() for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+TIGHT = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
+
+
+@pytest.mark.parametrize(
+    "policy, memory",
+    [("static", None), ("continuous", None), ("orca", None), ("chunked", None),
+     ("continuous", TIGHT), ("chunked", TIGHT)],
+)  # fmt: skip
+def test_planned_warmup_shapes_are_exactly_the_shapes_a_run_executes(policy, memory):
+    """An offline run without EOS: its dry run (`passes` clock, every token 0) finds the very
+    shapes the real run executes (measured clock, the model's tokens, decodes dispatched ahead),
+    all among the shapes the workload can use; under a tight paged budget too, which preempts."""
+    cfg = make_config(policy, num_slots=3)
+    cfg.policy.token_budget = 64
+    if memory is not None:
+        cfg.memory = memory
+    w = make_workload([80, 13, 80, 40, 7, 28], [20, 9, 20, 12, 14, 5])
+    pol, params, state, runner, mem, _, _ = _prepare(cfg, w)
+    assert fixed_plans(state, params)
+    planned = planned_shapes(pol, params, state, runner.buckets, PLANNED_PASSES)
+    res = run(pol, params, state, runner, [])  # no warm-up: each shape compiles at first use
+    executed = {kinds[0] for kinds in runner._passes}
+    assert len(planned) == len(set(planned)) and set(planned) == executed
+    assert executed <= set(runner.buckets.for_workload(w.prompt_len, w.max_new, mem.paged))
+    assert (np.asarray(res.final.num_preemptions).sum() > 0) == (memory is not None)
+
+
+def test_plans_are_fixed_only_offline_without_eos_or_waits():
+    state = init_state(np.zeros(2), np.array([4, 5]), np.array([3, 3]), np.zeros(2, bool), 2)
+    assert fixed_plans(state, PolicyParams())  # offline, EOS ignored, no wait
+    assert not fixed_plans(state, PolicyParams(eos_id=np.int32(0)))
+    assert not fixed_plans(state, PolicyParams(max_wait_s=np.float32(0.01)))
+    lengths = np.array([4, 5]), np.array([3, 3]), np.zeros(2, bool), 2
+    assert not fixed_plans(init_state(np.array([0.0, 0.5]), *lengths), PolicyParams())

@@ -27,6 +27,7 @@ def test_steady_state_run_compiles_nothing_after_warmup(tmp_path):
     m = execute(_config("continuous", arrival="poisson", rate=200.0), tmp_path)
     assert m["num_compiles"] > 0
     assert m["compiles_after_warmup"] == 0
+    assert not m["warmup_planned"]  # arrivals: every shape the workload can use
 
 
 def test_output_files_agree_with_each_other(tmp_path):
@@ -35,6 +36,11 @@ def test_output_files_agree_with_each_other(tmp_path):
     for name in ("metrics.json", "requests.csv", "passes.csv", "timeline.png", "tokens.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "metrics.json").read_text()) == m
+    # Offline, no EOS: warm-up prepared the shapes of a dry run, which are the run's.
+    passes = list(csv.DictReader((tmp_path / "passes.csv").open()))
+    shapes = {(p["rows"], p["row_tokens"], p["context"]) for p in passes}
+    assert m["warmup_planned"] and m["warmup_shapes"] == len(shapes)
+    assert m["compiles_after_warmup"] == 0
     rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
     passes = list(csv.DictReader((tmp_path / "passes.csv").open()))
     tokens = [json.loads(line) for line in (tmp_path / "tokens.jsonl").open()]
