@@ -23,11 +23,12 @@ from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
 # rows up to its own block's end: a slot's rows are consecutive and in position order, so no row
 # sees a later block's key, and the products above the diagonal are skipped (as flash attention
 # skips its masked key blocks). 64-row blocks against one product over every row, side by side
-# in one process (15 decodes and a chunk, medians of 15, two runs): tiny model, 4 KV heads, 256
-# rows 17.6-19.5 ms against 18.9-20.6, 512 rows 36.0-36.8 against 36.4-39.9; `small`, 256 rows
-# 89.9 against 93.8, 512 rows 177 against 192. 128-row blocks measured within noise of 64.
+# in one process (15 decodes and a chunk, medians of 25): tiny model, 4 KV heads, 256 rows 17.7
+# ms against 19.2, 512 rows 35.2 against 36.4; `small` (medians of 15), 256 rows 89.9 against
+# 93.8, 512 rows 177 against 192. 128-row blocks, or at most 4 blocks, gained less. The blocks'
+# products have shapes of their own, whose first runs cost warm-up: realistic chunked's repeated
+# warm-up 1.75-1.89 s against 1.57-1.96 s with one product (see the README).
 OWN_BLOCK = 64
-OWN_BLOCKS = 4
 
 
 def pass_attention(
@@ -151,9 +152,8 @@ def _own(q, k, v, index: CacheIndex, part) -> Partial:
     seen = same & (pos[None, :, 0] <= pos[:, 0, None])
     shared = lambda x: x[:, 0].transpose(1, 0, 2)  # noqa: E731  [R, 1, Hkv, D] -> [Hkv, R, D]
     k, v, r = shared(k), shared(v), q.shape[0]
-    size = max(OWN_BLOCK, -(-r // OWN_BLOCKS))
     blocks = [  # a block of rows sees no key of a later row: skip the products above the diagonal
         part(q[lo:hi], k[:, :hi], v[:, :hi], seen[lo:hi, None, :hi])
-        for lo, hi in ((lo, min(lo + size, r)) for lo in range(0, r, size))
+        for lo, hi in ((lo, min(lo + OWN_BLOCK, r)) for lo in range(0, r, OWN_BLOCK))
     ]
     return Partial(*(jnp.concatenate(x, 0) for x in zip(*blocks)))
