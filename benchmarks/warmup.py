@@ -1,7 +1,8 @@
 """Warm-up of a first and of repeated runs of one config, each in a new process, sharing one
 compile cache (empty at the start): what a sweep's jobs or a rerun of a command pay before their
-clock starts. Prints each run's warm-up, compilations and compile-cache hits, and the repeated
-runs' median against issue 11's target (under 2 s).
+clock starts. Prints each run's warm-up, the pass shapes it prepared (`p`: a dry run's, see the
+README's Compilation), compilations and compile-cache hits, and the repeated runs' median against
+issue 11's target (under 2 s).
 
     python benchmarks/warmup.py [--repeats 2]
 """
@@ -43,15 +44,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="repeated runs after the first")
     args = ap.parse_args()
-    print(f"{'config':38s} {'run':>6s} {'warm-up s':>10s} {'compiles':>9s} {'loaded':>7s}")
+    print(f"{'config':38s} {'run':>6s} {'warm-up s':>10s} {'shapes':>7s} {'compiles':>9s} "
+          f"{'loaded':>7s}")  # fmt: skip
     for name, overrides in CONFIGS.items():
         with tempfile.TemporaryDirectory() as tmp:
             cache, repeated = Path(tmp) / "cache", []
             for i in range(1 + args.repeats):
                 m = run(overrides, cache, Path(tmp) / f"run{i}")
                 label = "first" if i == 0 else f"rep {i}"
-                print(f"{name:38s} {label:>6s} {m['warmup_s']:10.2f} {m['num_compiles']:9d} "
-                      f"{m['compile_cache_hits']:7d}")  # fmt: skip
+                shapes = f"{m['warmup_shapes']}{'p' if m['warmup_planned'] else ''}"
+                print(f"{name:38s} {label:>6s} {m['warmup_s']:10.2f} {shapes:>7s} "
+                      f"{m['num_compiles']:9d} {m['compile_cache_hits']:7d}")  # fmt: skip
                 if i:
                     repeated.append(m["warmup_s"])
             med = statistics.median(repeated)
