@@ -177,11 +177,15 @@ def planned_shapes(
     policy: Policy, params: PolicyParams, state: SchedState, buckets, max_passes: int
 ) -> list[PassShape] | None:
     """The shapes of every pass a run of `state` will execute, where its plans are fixed
-    (`fixed_plans`): the loop run once on a `ShapeLog`, on the `passes` clock; None if that took
-    more than `max_passes` passes (a long run needs most shapes anyway)."""
+    (`fixed_plans`): the loop run once on a `ShapeLog`, on the `passes` clock; None if that would
+    take more than `max_passes` passes (a long run needs most shapes anyway): at once where the
+    outputs alone need more decodes of every slot."""
+    if int(np.asarray(state.max_new).sum()) > max_passes * state.num_slots:
+        return None
     log, calls = ShapeLog(buckets, state.num_slots), itertools.count()
-    dry = run(policy, params, state, log, [], "passes", stop=lambda: next(calls) > max_passes)
-    return None if dry.interrupted else list(log.shapes)
+    dry = run(policy, params, state, log, [], "passes", stop=lambda: next(calls) >= max_passes)
+    done = np.isin(dry.final.status, (FINISHED, REJECTED)).all()
+    return list(log.shapes) if done else None
 
 
 @cache

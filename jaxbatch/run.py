@@ -222,7 +222,8 @@ def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     )  # fmt: skip
     policy = make_policy(p.name, p.queue)
     fed = int((workload.prompt_len + workload.max_new)[ok].sum())
-    return policy, params, state, backend, memory, shapes if e.warmup else [], fed
+    warm = e.warmup and e.backend == "runner"  # the simulator compiles no pass
+    return policy, params, state, backend, memory, shapes if warm else [], fed
 
 
 def _max_passes(fed: int, memory: MemorySpec) -> int:

@@ -156,3 +156,15 @@ def test_plans_are_fixed_only_offline_without_eos_or_waits():
     assert not fixed_plans(state, PolicyParams(max_wait_s=np.float32(0.01)))
     lengths = np.array([4, 5]), np.array([3, 3]), np.zeros(2, bool), 2
     assert not fixed_plans(init_state(np.array([0.0, 0.5]), *lengths), PolicyParams())
+
+
+def test_a_dry_run_longer_than_its_bound_plans_nothing():
+    """planned_shapes gives up (None: warm-up prepares every possible shape) where the outputs
+    alone need more than `max_passes` decodes of every slot, or where the dry run passes it."""
+    buckets, policy = Simulator(num_slots=2, max_len=256).buckets, make_policy("continuous")
+    state = init_state(np.zeros(2), np.array([4, 5]), np.array([1, 5]), np.zeros(2, bool), 2)
+    plan = lambda n: planned_shapes(policy, PolicyParams(), state, buckets, n)  # noqa: E731
+    assert plan(2) is None  # 6 outputs > 2 passes x 2 slots: not even tried
+    assert plan(3) is None  # tried: a prefill and 4 decodes, more than 3 passes
+    assert plan(4) is None  # a prefill and 3 of the 4 decodes: 5 passes in all
+    assert plan(5) == [buckets.prefill(2, 5, 5), buckets.decode(6)]  # contexts 6..10: one bucket
