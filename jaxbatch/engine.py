@@ -5,8 +5,9 @@ host sync. The clock is wall time measured from the loop's start (or one unit pe
 `passes` clock, or the cost model's price of each pass with the `priced` one); when nothing can
 run it jumps to the policy's wake time, so runs never sleep.
 Warm-up compiles everything before the clock starts: every shape the workload can use, or, where
-no plan depends on the clock or the tokens (an offline run without EOS), only the shapes a dry run
-of the loop on a backend that runs nothing meets (`planned_shapes`). No metrics or I/O here.
+no plan depends on wall time or on the tokens (no EOS; an offline run, or the `passes` clock),
+only the shapes a dry run of the loop on a backend that runs nothing meets (`planned_shapes`).
+No metrics or I/O here.
 
 The host needs the next plan to pick the next pass's compiled shape, so the device would idle
 while the plan travels to the host. After a prefill or decode pass in which no request reaches its
@@ -165,17 +166,21 @@ class ShapeLog:
         pass
 
 
-def fixed_plans(state: SchedState, params: PolicyParams) -> bool:
-    """Whether a run's plans depend on neither its clock nor its tokens: every request is there
-    from the start, no policy waits on the clock for a fuller batch, and no token ends a request
-    (no EOS). Its dry run then meets every plan the run will (`planned_shapes`)."""
+def fixed_plans(state: SchedState, params: PolicyParams, clock: str = "measured") -> bool:
+    """Whether a run's plans are fixed before it starts, depending neither on wall time nor on
+    the tokens drawn: no token ends a request (no EOS), and either the clock counts passes, or
+    every request is there from the start and no policy waits on the clock for a fuller batch.
+    A dry run on the `passes` clock then meets every plan the run will (`planned_shapes`)."""
+    if int(params.eos_id) >= 0:
+        return False
     arrived = bool((np.asarray(state.arrival) <= 0).all())
-    return arrived and float(params.max_wait_s) <= 0 and int(params.eos_id) < 0
+    return clock == "passes" or (arrived and float(params.max_wait_s) <= 0)
 
 
 def planned_shapes(
-    policy: Policy, params: PolicyParams, state: SchedState, buckets, max_passes: int
-) -> list[PassShape] | None:
+    policy: Policy, params: PolicyParams, state: SchedState, buckets, max_passes: int,
+    arrival: np.ndarray | None = None,
+) -> list[PassShape] | None:  # fmt: skip
     """The shapes of every pass a run of `state` will execute, where its plans are fixed
     (`fixed_plans`): the loop run once on a `ShapeLog`, on the `passes` clock; None if that would
     take more than `max_passes` passes (a long run needs most shapes anyway): at once where the
@@ -183,7 +188,8 @@ def planned_shapes(
     if int(np.asarray(state.max_new).sum()) > max_passes * state.num_slots:
         return None
     log, calls = ShapeLog(buckets, state.num_slots), itertools.count()
-    dry = run(policy, params, state, log, [], "passes", stop=lambda: next(calls) >= max_passes)
+    stop = lambda: next(calls) >= max_passes  # noqa: E731
+    dry = run(policy, params, state, log, [], "passes", arrival=arrival, stop=stop)
     done = np.isin(dry.final.status, (FINISHED, REJECTED)).all()
     return list(log.shapes) if done else None
 
@@ -232,8 +238,10 @@ def run(
     dummy = jnp.zeros_like(warm_plan.req)
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     planned = None
-    if warmup_shapes and resume_from is None and fixed_plans(state, params):
-        planned = planned_shapes(policy, params, state, backend.buckets, PLANNED_PASSES)
+    if warmup_shapes and resume_from is None and fixed_plans(state, params, clock):
+        planned = planned_shapes(
+            policy, params, state, backend.buckets, PLANNED_PASSES, arrival
+        )  # fmt: skip
     warmup_shapes = warmup_shapes if planned is None else planned
     backend.warmup(warmup_shapes, stop)
     resumed = None  # restored within warm-up: orbax compiles its own copies

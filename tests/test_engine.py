@@ -126,23 +126,27 @@ TIGHT = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark
 
 
 @pytest.mark.parametrize(
-    "policy, memory",
-    [("static", None), ("continuous", None), ("orca", None), ("chunked", None),
-     ("continuous", TIGHT), ("chunked", TIGHT)],
+    "policy, memory, clock",
+    [("static", None, "measured"), ("continuous", None, "measured"), ("orca", None, "measured"),
+     ("chunked", None, "measured"), ("continuous", TIGHT, "measured"),
+     ("chunked", TIGHT, "measured"), ("continuous", None, "passes"), ("static", None, "passes")],
 )  # fmt: skip
-def test_planned_warmup_shapes_are_exactly_the_shapes_a_run_executes(policy, memory):
-    """An offline run without EOS: its dry run (`passes` clock, every token 0) finds the very
-    shapes the real run executes (measured clock, the model's tokens, decodes dispatched ahead),
-    all among the shapes the workload can use; under a tight paged budget too, which preempts."""
-    cfg = make_config(policy, num_slots=3)
+def test_planned_warmup_shapes_are_exactly_the_shapes_a_run_executes(policy, memory, clock):
+    """A run without EOS, offline on the measured clock or with arrivals (and static's wait for a
+    full batch) on the `passes` clock: its dry run (`passes` clock, every token 0) finds the
+    very shapes the real run executes (the model's tokens, decodes dispatched ahead), all among
+    the shapes the workload can use; under a tight paged budget too, which preempts."""
+    cfg = make_config(policy, num_slots=3, clock=clock)
     cfg.policy.token_budget = 64
+    cfg.policy.max_wait_s = 3.0 if clock == "passes" else 0.0  # static waits 3 passes
     if memory is not None:
         cfg.memory = memory
-    w = make_workload([80, 13, 80, 40, 7, 28], [20, 9, 20, 12, 14, 5])
+    arrival = np.zeros(6) if clock == "measured" else np.array([0, 0, 4, 9, 9, 30])
+    w = make_workload([80, 13, 80, 40, 7, 28], [20, 9, 20, 12, 14, 5], arrival)
     pol, params, state, runner, mem, _, _ = _prepare(cfg, w)
-    assert fixed_plans(state, params)
-    planned = planned_shapes(pol, params, state, runner.buckets, PLANNED_PASSES)
-    res = run(pol, params, state, runner, [])  # no warm-up: each shape compiles at first use
+    assert fixed_plans(state, params, clock)
+    planned = planned_shapes(pol, params, state, runner.buckets, PLANNED_PASSES, w.arrival)
+    res = run(pol, params, state, runner, [], clock, arrival=w.arrival)  # shapes at first use
     executed = {kinds[0] for kinds in runner._passes}
     assert len(planned) == len(set(planned)) and set(planned) == executed
     assert executed <= set(runner.buckets.for_workload(w.prompt_len, w.max_new, mem.paged))
@@ -155,7 +159,10 @@ def test_plans_are_fixed_only_offline_without_eos_or_waits():
     assert not fixed_plans(state, PolicyParams(eos_id=np.int32(0)))
     assert not fixed_plans(state, PolicyParams(max_wait_s=np.float32(0.01)))
     lengths = np.array([4, 5]), np.array([3, 3]), np.zeros(2, bool), 2
-    assert not fixed_plans(init_state(np.array([0.0, 0.5]), *lengths), PolicyParams())
+    late = init_state(np.array([0.0, 0.5]), *lengths)
+    assert not fixed_plans(late, PolicyParams())
+    assert fixed_plans(late, PolicyParams(max_wait_s=np.float32(0.01)), "passes")
+    assert not fixed_plans(late, PolicyParams(eos_id=np.int32(0)), "passes")
 
 
 def test_a_dry_run_longer_than_its_bound_plans_nothing():
