@@ -49,11 +49,15 @@ def test_work_of_a_pass_by_hand():
     assert got["attention"] == ([4 * 8 * 4, 4 * 8 * 10], [128 + 64, 128 + 256])
     assert got["lm_head"] == (2 * 2 * 80, 80 * 4 + 2 * 18 * 4)
     assert got["own_keys"] == (0, 0)  # not a padded flat pass
-    # A padded flat (mixed) pass of 8 rows: its own keys in one product over 8 x 8 row pairs,
+    # A padded flat (mixed) pass of 8 rows: its own keys in one block of 8 x 8 row pairs,
     # attention per request only over what each had cached (3 and 0 pairs).
     flat = pass_work(SMALL, np.array([1, 4]), np.array([3, 0]), np.array([True, True]),
                      computed=8, flat=True)  # fmt: skip
     assert np.asarray(flat["own_keys"][0]).tolist() == 4 * 8 * 64
+    # 256 rows: 4 blocks of 64 rows over 64, 128, 192 and 256 rows.
+    wide = pass_work(SMALL, np.array([1, 4]), np.array([3, 0]), np.array([True, True]),
+                     computed=256, flat=True)  # fmt: skip
+    assert np.asarray(wide["own_keys"][0]).tolist() == 4 * 8 * 64 * (64 + 128 + 192 + 256)
     assert np.asarray(flat["attention"][0]).tolist() == [4 * 8 * 3, 0]
     assert np.asarray(flat["qkv"][0]).tolist() == 2 * 8 * 128
 

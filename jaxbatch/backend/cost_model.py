@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import Array
 
+from jaxbatch.model.pass_attention import OWN_BLOCK
 from jaxbatch.model.spec import ModelSpec
 
 GB = 1e9
@@ -67,8 +68,8 @@ def pass_work(
     num_tokens, start_pos [B]: what each slot feeds and where; sampled [B] bool: the slots whose
     last token is sampled; `computed`: the tokens the matmuls run on, padding included (None: the
     tokens fed). `flat` (with `computed`; a bool, traced or not): a mixed pass as the runner
-    computes it, whose rows attend to the pass's own keys in one product over all its `computed`
-    rows (`own_keys`, priced as a matmul), not per request. Returns {op: (flops, bytes)}, where
+    computes it, whose rows attend to the pass's own keys in blocks of its `computed` rows
+    (`own_keys`, priced as a matmul), not per request. Returns {op: (flops, bytes)}, where
     attention's entries are [B] (one per request and all layers) and the others scalars (all
     layers)."""
     n = jnp.asarray(num_tokens, jnp.float32)
@@ -83,12 +84,14 @@ def pass_work(
         p = params / tp
         work[op] = (layers * 2 * tokens * p, layers * (p * w + tokens * io / tp * a))
     # Attention: a request's n new queries see its s cached keys and the causal part of its own;
-    # a padded flat pass computes its own keys' part for every pair of its rows, as one product.
+    # a padded flat pass computes its own keys' part as the runner does, in blocks of OWN_BLOCK
+    # rows, each over every row up to its end: R rows, R (R + block) / 2 row pairs.
     own = jnp.asarray(flat) & (computed is not None)
     pairs = n * s + jnp.where(own, 0.0, n * (n + 1) / 2)
     heads, kv_heads = spec.n_heads / tp, spec.n_kv_heads / tp
     per_pair = layers * 4 * heads * spec.head_dim
-    work["own_keys"] = (jnp.where(own, per_pair * tokens * tokens, 0.0), jnp.float32(0.0))
+    own_pairs = tokens * (tokens + jnp.minimum(tokens, OWN_BLOCK)) / 2
+    work["own_keys"] = (jnp.where(own, per_pair * own_pairs, 0.0), jnp.float32(0.0))
     flops = per_pair * pairs
     kv_bytes = layers * 2 * kv_heads * spec.head_dim * kv * (s + n)  # read context, write new
     qo_bytes = layers * 2 * n * heads * spec.head_dim * a
