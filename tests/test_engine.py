@@ -153,7 +153,7 @@ def test_planned_warmup_shapes_are_exactly_the_shapes_a_run_executes(policy, mem
     assert (np.asarray(res.final.num_preemptions).sum() > 0) == (memory is not None)
 
 
-def test_plans_are_fixed_only_offline_without_eos_or_waits():
+def test_plans_are_fixed_without_eos_offline_or_on_the_passes_clock():
     state = init_state(np.zeros(2), np.array([4, 5]), np.array([3, 3]), np.zeros(2, bool), 2)
     assert fixed_plans(state, PolicyParams())  # offline, EOS ignored, no wait
     assert not fixed_plans(state, PolicyParams(eos_id=np.int32(0)))

@@ -36,13 +36,12 @@ def test_output_files_agree_with_each_other(tmp_path):
     for name in ("metrics.json", "requests.csv", "passes.csv", "timeline.png", "tokens.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "metrics.json").read_text()) == m
-    # Offline, no EOS: warm-up prepared the shapes of a dry run, which are the run's.
+    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
     passes = list(csv.DictReader((tmp_path / "passes.csv").open()))
+    # Offline, no EOS: warm-up prepared the shapes of a dry run, which are the run's.
     shapes = {(p["rows"], p["row_tokens"], p["context"]) for p in passes}
     assert m["warmup_planned"] and m["warmup_shapes"] == len(shapes)
     assert m["compiles_after_warmup"] == 0
-    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
-    passes = list(csv.DictReader((tmp_path / "passes.csv").open()))
     tokens = [json.loads(line) for line in (tmp_path / "tokens.jsonl").open()]
     assert [int(r["id"]) for r in rows] == list(range(10))
     assert all(r["status"] == "finished" for r in rows)
