@@ -6,11 +6,14 @@ prefill: prompts x tokens; mixed: decodes plus a prompt chunk filling a token bu
 pass's work with `cost_model.pass_work`, and fits the entry's compute, memory and attention
 efficiencies and per-pass overhead to the times by least squares on the relative error, holding
 out every fourth shape. A pass in a run also costs the host loop's own work (schedule, commit,
-one sync), which a pass timed alone does not: the overhead written is the median, over the
-passes of a real run (continuous, 64 requests), of each pass's measured time less its priced work.
+one sync), which a pass timed alone does not, and more for a pass that feeds prompt tokens (the
+loop dispatches a decode ahead of its plan, never a prompt pass): the overheads written, one per
+pass kind, are medians over that kind's passes in real runs (continuous and chunked) of each
+pass's measured time less its priced work (`run_overheads`).
 It prints the fit's error per shape, held-out shapes marked, and writes
-configs/hardware/cpu_local.yaml. Matmuls are priced at the runner's padded shape (the entry's
-`padded`), as the runner computes them; attention at each request's own lengths.
+configs/hardware/cpu_local.yaml. Every operation is priced at the runner's padded shape (the
+entry's `padded`: matmuls on every row of the pass's bucket, attention over each row's context
+bucket, `cost_model.runner_shape`), as the runner computes them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.backend.cost_model import pass_work
+from jaxbatch.backend.buckets import Buckets
+from jaxbatch.backend.cost_model import Padded, pass_work, runner_shape
 from jaxbatch.backend.runner import Runner
 from jaxbatch.config import (
     Config,
@@ -32,11 +36,13 @@ from jaxbatch.config import (
     LengthConfig,
     ModelConfig,
     OutputConfig,
+    PolicyConfig,
     WorkloadConfig,
 )
+from jaxbatch.model.kvcache import min_read
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
-from jaxbatch.run import simulate
+from jaxbatch.run import mixed_rows, simulate
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from jaxbatch.workload import from_config
 
@@ -93,6 +99,10 @@ def shapes() -> list[tuple[str, int, Plan]]:
     for slots in (1, 4, 16):
         for ctx in (64, 256, 1024):
             out.append((f"decode {slots} x context {ctx}", slots, _plan(DECODE, 1, ctx - 1, slots)))
+    # As in a run: contexts of every length, and slots left empty (the runner pads both).
+    spread = np.linspace(16, 255, 16).astype(np.int32)
+    out.append(("decode 16, contexts 16..256", 16, _plan(DECODE, 1, spread, 16)))
+    out.append(("decode 4 of 16 slots x 256", 16, _plan(DECODE, [1] * 4 + [0] * 12, 255, 16)))
     for prompts in (1, 4, 16):
         for tokens in (16, 64, 256):
             label = f"prefill {prompts} x {tokens}"
@@ -106,9 +116,13 @@ def shapes() -> list[tuple[str, int, Plan]]:
     return out
 
 
-def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, int, float]]:
-    """Each grid pass on the real runner: (label, plan, tokens computed, median seconds)."""
-    params, runners, out = init_params(spec, 0), {}, []
+def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, Padded, float]]:
+    """Each grid pass on the real runner: (label, plan, the runner's shape, median seconds).
+    The grid is timed in `repeats` rounds, each pass once a round, so that every pass meets the
+    machine's slow and fast moments alike: timed back to back, one shape's 15 runs fell in one
+    moment of this shared VM, and the same shape's median moved by up to 60% between runs
+    minutes apart, more than the cost model's error."""
+    params, runners, passes = init_params(spec, 0), {}, []
     for label, slots, plan in shapes():
         if slots not in runners:
             prompts = np.zeros((slots, spec.max_len), np.int32)
@@ -118,16 +132,22 @@ def time_passes(spec: ModelSpec, repeats: int) -> list[tuple[str, Plan, int, flo
         shape = runner.buckets.shape_of(plan)
         runner.warmup([shape])
         run = lambda r=runner, p=plan, s=shape: r.execute(p, s)[0]  # noqa: E731
-        out.append((label, plan, shape.rows * shape.tokens, best_time(run, repeats)))
-    return out
+        jax.block_until_ready(run())  # its first run, apart
+        passes.append((label, plan, runner_shape(runner.buckets, plan, np), run))
+    times = [[] for _ in passes]
+    for _ in range(repeats):
+        for seconds, (*_, run) in zip(times, passes):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            seconds.append(time.perf_counter() - t0)
+    return [(*p[:3], statistics.median(t)) for p, t in zip(passes, times)]
 
 
-def _terms(spec: ModelSpec, plan: Plan, computed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each operation's (FLOPs, bytes): the matmuls (at `computed` tokens, the pass's padded
-    shape) and LM head [K, 2], and attention [R, 2], one row per request."""
+def _terms(spec: ModelSpec, plan: Plan, padded: Padded) -> tuple[np.ndarray, np.ndarray]:
+    """Each operation's (FLOPs, bytes) at the runner's shape of the pass (`padded`): the matmuls,
+    own keys and LM head [K, 2], and attention [1, 2]."""
     fed = plan.num_tokens > 0
-    flat = int(plan.kind) == MIXED
-    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed], 1, computed, flat)
+    work = pass_work(spec, plan.num_tokens[fed], plan.start_pos[fed], fed[fed], 1, padded)
     rows = {op: np.stack([np.ravel(f), np.ravel(b)], -1).astype(np.float64)
             for op, (f, b) in work.items()}  # fmt: skip
     attention = rows.pop("attention")
@@ -143,35 +163,49 @@ def _padded(terms: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return flops, nbytes
 
 
-def fit(terms: list[tuple[np.ndarray, np.ndarray]], times: np.ndarray, bandwidth: float,
-        peak: float):  # fmt: skip
-    """(compute efficiency, memory efficiency, attention efficiency, overhead s) minimising the
-    squared relative error of overhead + sum over operations of max(FLOPs / (peak x ce),
-    bytes / (bandwidth x me)), attention's divided by its efficiency."""
+KINDS = (DECODE, PREFILL, MIXED)  # each kind's overhead is its own
+
+
+def fit(terms: list[tuple[np.ndarray, np.ndarray]], times: np.ndarray, kinds: np.ndarray,
+        bandwidth: float, peak: float):  # fmt: skip
+    """(compute efficiency, memory efficiency, attention efficiency, decode overhead s, a
+    prefill's extra s, a mixed pass's extra s) minimising the squared relative error of its
+    kind's overhead (`kinds` [P]) + the sum over operations of max(FLOPs / (peak x ce),
+    bytes / (bandwidth x me)), attention's divided by its efficiency. A flat pass runs many more
+    operations than a decode (tiles, blocks, gathers), so a kind's fixed cost is its own."""
     mm_flops, mm_bytes = _padded([m for m, _ in terms])
     at_flops, at_bytes = _padded([a for _, a in terms])
-    best = (np.inf, 1.0, 1.0, 1.0, 0.0)
+    best = (np.inf, 1.0, 1.0, 1.0, np.zeros(len(KINDS)))
     grid = np.geomspace(0.002, 1.0, 120)
     attention_grid = np.geomspace(0.02, 2.0, 120)[:, None]
     w = 1 / times**2  # relative error: each pass weighs alike
+    groups = np.stack([kinds == k for k in KINDS]).astype(np.float64)  # [kinds, passes]
     for ce in grid:
         for me in grid:
             matmul = np.maximum(mm_flops / (peak * ce), mm_bytes / (bandwidth * me)).sum(1)
             attention = np.maximum(at_flops / (peak * ce), at_bytes / (bandwidth * me)).sum(1)
             base = matmul + attention / attention_grid  # [attention efficiencies, passes]
-            overhead = np.maximum(0.0, ((times - base) * w).sum(1) / w.sum())
-            loss = (((base + overhead[:, None]) / times - 1) ** 2).sum(1)
+            # Each kind's overhead in closed form: its passes' weighted mean residual.
+            overhead = ((times - base) * w) @ groups.T / np.maximum((groups * w).sum(1), 1e-30)
+            overhead = np.maximum(0.0, overhead)  # [attention efficiencies, kinds]
+            loss = (((base + overhead @ groups) / times - 1) ** 2).sum(1)
             i = int(np.argmin(loss))
             if loss[i] < best[0]:
-                best = (loss[i], float(ce), float(me), float(attention_grid[i, 0]), overhead[i])
-    return tuple(float(x) for x in best[1:])
+                best = (loss[i], ce, me, attention_grid[i, 0], overhead[i])
+    _, ce, me, ae, (decode, prefill, mixed) = best
+    return tuple(float(x) for x in (ce, me, ae, decode, prefill - decode, mixed - decode))
 
 
-def predict(terms, bandwidth, peak, ce, me, ae, overhead) -> np.ndarray:
+def predict(terms, kinds, bandwidth, peak, ce, me, ae, overhead, prefill, mixed) -> np.ndarray:
+    """Each pass's price: `overhead`, `prefill` or `mixed` more for those kinds (`kinds` [P]),
+    and its work."""
+
     def op_time(t):
         return np.maximum(t[:, 0] / (peak * ce), t[:, 1] / (bandwidth * me)).sum()
 
-    return np.array([overhead + op_time(m) + op_time(a) / ae for m, a in terms])
+    kinds = np.asarray(kinds)
+    work = np.array([op_time(m) + op_time(a) / ae for m, a in terms])
+    return overhead + prefill * (kinds == PREFILL) + mixed * (kinds == MIXED) + work
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,56 +217,89 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth, peak = machine()
     print(f"machine: read {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s")
     timed = time_passes(spec, args.repeats)
-    terms = [_terms(spec, plan, computed) for _, plan, computed, _ in timed]
+    terms = [_terms(spec, plan, padded) for _, plan, padded, _ in timed]
     times = np.array([t for *_, t in timed])
-    held = np.arange(len(timed)) % 4 == 3
-    fitted = [t for t, h in zip(terms, held) if not h]
-    ce, me, ae, overhead = fit(fitted, times[~held], bandwidth, peak)
-    pred = predict(terms, bandwidth, peak, ce, me, ae, overhead)
-    err = pred / times - 1
-    print(f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "
-          f"{ae:.3f}, overhead {overhead * 1e6:.0f} us")  # fmt: skip
-    for (label, _, _, t), p, e, h in zip(timed, pred, err, held):
-        print(f"  {label:<40}{1e3 * t:9.2f} ms  priced {1e3 * p:9.2f} ms  {e:+7.1%}"
+    kinds = np.array([int(plan.kind) for _, plan, _, _ in timed])
+    folds = np.arange(len(timed)) % 4  # every fourth shape held out; fold 3 fits the entry
+
+    def held_out(k):  # the fit without fold k, and its error on every shape
+        keep = folds != k
+        got = fit([t for t, f in zip(terms, keep) if f], times[keep], kinds[keep], bandwidth,
+                  peak)  # fmt: skip
+        return got, predict(terms, kinds, bandwidth, peak, *got) / times - 1
+
+    cross = np.zeros(len(timed))
+    for k in range(3):
+        cross[folds == k] = held_out(k)[1][folds == k]
+    (ce, me, ae, *overheads), err = held_out(3)
+    cross[folds == 3] = err[folds == 3]
+    held = folds == 3
+    print(
+        f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "
+        f"{ae:.3f}, overhead {_us(overheads)}"
+    )
+    for (label, _, _, t), e, h in zip(timed, err, held):
+        print(f"  {label:<40}{1e3 * t:9.2f} ms  priced {1e3 * t * (1 + e):9.2f} ms  {e:+7.1%}"
               f"{'  (held out)' if h else ''}")  # fmt: skip
-    print(f"median |error|: fitted shapes {np.median(np.abs(err[~held])):.1%}, "
-          f"held-out shapes {np.median(np.abs(err[held])):.1%}")  # fmt: skip
-    in_run = run_overhead(spec, bandwidth, peak, ce, me, ae)
-    print(f"per-pass overhead in a real run (host loop): {in_run * 1e6:.0f} us; written")
-    overhead = in_run
+    print(f"median |error|: fitted shapes {np.median(np.abs(err[~held])):.1%}, held-out shapes "
+          f"{np.median(np.abs(err[held])):.1%}; every shape held out once (4 folds) "
+          f"{np.median(np.abs(cross)):.1%}")  # fmt: skip
+    overhead, prefill, mixed = run_overheads(spec, bandwidth, peak, ce, me, ae)
+    print(f"overhead in real runs (host loop): {_us((overhead, prefill, mixed))}; written")
     memory_gb = _memory_gb()
     args.out.write_text(
         "# This machine, fitted by `jaxbatch-calibrate` to the tiny model's passes on the runner\n"
         f"# (float32, {jax.default_backend()}). Held-out median error "
-        f"{np.median(np.abs(err[held])):.1%}.\n"
+        f"{np.median(np.abs(err[held])):.1%} (4 folds: {np.median(np.abs(cross)):.1%}).\n"
         f"name: cpu_local\npeak_tflops: {peak / 1e12:.6f}\nmemory_gb_s: {bandwidth / 1e9:.3f}\n"
         f"memory_gb: {memory_gb:.1f}\nlink_gb_s: 1.0  # one device: no all-reduce\n"
         f"compute_efficiency: {ce:.4f}\nmemory_efficiency: {me:.4f}\n"
-        f"attention_efficiency: {ae:.4f}\npadded: true  # matmuls priced as the runner pads them\n"
-        f"pass_overhead_us: {overhead * 1e6:.1f}\n"
+        f"attention_efficiency: {ae:.4f}\npadded: true  # priced at the runner's padded shapes\n"
+        f"pass_overhead_us: {overhead * 1e6:.1f}\nprefill_overhead_us: {prefill * 1e6:.1f}\n"
+        f"mixed_overhead_us: {mixed * 1e6:.1f}\n"
     )
     print(f"wrote {args.out}")
 
 
-def run_overhead(
+def _us(overheads) -> str:
+    decode, prefill, mixed = (x * 1e6 for x in overheads)
+    return f"decode {decode:.0f} us, prefill {prefill:+.0f} us more, mixed {mixed:+.0f} us more"
+
+
+def run_overheads(
     spec: ModelSpec, bandwidth: float, peak: float, ce: float, me: float, ae: float
-) -> float:
-    """Median over a real run's passes of the measured time less the priced work."""
+) -> tuple[float, float, float]:
+    """(decode overhead, a prefill's extra, a mixed pass's extra) in seconds, from real runs
+    (continuous and chunked, 64 requests, workload seed 1: not the fidelity benchmark's): per
+    kind, the median over its passes of each one's measured time less its priced work; the
+    extras less the decode's. A decode is dispatched ahead of its plan, so the host's work hides
+    behind the pass before it; a prompt pass waits for its plan."""
     lengths = LengthConfig(dist="uniform", low=16, high=128)
-    cfg = Config(
-        workload=WorkloadConfig(num_requests=64, prompt=lengths, output=lengths),
-        engine=EngineConfig(num_slots=16), output=OutputConfig(progress=False, plots=False),
-    )  # fmt: skip
-    rec = simulate(cfg, from_config(cfg.workload)).record
-    plans = [
-        Plan(rec.req[p], rec.num_tokens[p], rec.start_pos[p], np.int32(rec.kind[p]),
-             np.float32(0), np.zeros((rec.num_slots, 0), np.int32))
-        for p in range(rec.num_passes)
-    ]  # fmt: skip
-    computed = rec.rows * rec.row_tokens
-    terms = [_terms(spec, plan, c) for plan, c in zip(plans, computed)]
-    work = predict(terms, bandwidth, peak, ce, me, ae, 0.0)
-    return max(0.0, float(np.median(rec.duration - work)))
+    residual, kinds = [], []
+    for policy in ("continuous", "chunked"):
+        cfg = Config(
+            policy=PolicyConfig(name=policy),
+            workload=WorkloadConfig(num_requests=64, prompt=lengths, output=lengths, seed=1),
+            engine=EngineConfig(num_slots=16), output=OutputConfig(progress=False, plots=False),
+        )  # fmt: skip
+        rec = simulate(cfg, from_config(cfg.workload)).record
+        buckets = Buckets(
+            cfg.engine.num_slots,
+            spec.max_len,
+            cfg.engine.min_bucket,
+            mixed_rows(cfg),
+            min_read(spec.max_len, paged=False),
+        )  # the runner's
+        for p in range(rec.num_passes):
+            plan = Plan(rec.req[p], rec.num_tokens[p], rec.start_pos[p], np.int32(rec.kind[p]),
+                        np.float32(0), np.zeros((rec.num_slots, 0), np.int32))  # fmt: skip
+            terms = _terms(spec, plan, runner_shape(buckets, plan, np))
+            work = predict([terms], [DECODE], bandwidth, peak, ce, me, ae, 0.0, 0.0, 0.0)[0]
+            residual.append(rec.duration[p] - work)
+        kinds.append(rec.kind)
+    residual, kinds = np.array(residual), np.concatenate(kinds)
+    decode, prefill, mixed = (max(0.0, float(np.median(residual[kinds == k]))) for k in KINDS)
+    return decode, prefill - decode, mixed - decode
 
 
 def _memory_gb() -> float:

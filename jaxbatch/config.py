@@ -191,6 +191,11 @@ class HardwareConfig:
     # (false: at the tokens fed, as for a serving system that pads nothing).
     padded: bool = False
     pass_overhead_us: float = 0.0
+    # Added to a prefill pass and to a mixed pass: a pass kind's fixed cost is its own (a
+    # mixed pass runs many more operations than a decode; this machine's host loop runs a decode
+    # ahead of its plan, a prompt pass only once its plan is known). Calibration measures them.
+    prefill_overhead_us: float = 0.0
+    mixed_overhead_us: float = 0.0
     tensor_parallel: int = 1  # devices a model is split over (Megatron-style)
 
 

@@ -34,6 +34,7 @@ from jaxbatch.engine import RunResult, run
 from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
+from jaxbatch.model.kvcache import min_read
 from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
@@ -50,7 +51,7 @@ def hardware(cfg: Config) -> Hardware | None:
     return Hardware(
         h.name, h.peak_tflops * 1e12, h.memory_gb_s * 1e9, h.memory_gb * 1e9, h.link_gb_s * 1e9,
         h.compute_efficiency, h.memory_efficiency, h.pass_overhead_us * 1e-6,
-        h.attention_efficiency, h.padded,
+        h.attention_efficiency, h.padded, h.prefill_overhead_us * 1e-6, h.mixed_overhead_us * 1e-6,
     )  # fmt: skip
 
 
@@ -177,18 +178,24 @@ def model_params(cfg: Config) -> dict:
         raise ConfigError("model.path", cfg.model.path, str(err)) from None
 
 
+def mixed_rows(cfg: Config) -> int:
+    """The most rows of a run's mixed pass: its token budget's bucket (0: a policy without)."""
+    if cfg.policy.name not in BUDGETED:
+        return 0
+    return pow2_at_least(cfg.policy.token_budget, cfg.engine.min_bucket, 1 << 30)
+
+
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
-    mixed_rows = 0
-    if cfg.policy.name in BUDGETED:
-        mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
+    mixed_rows_ = mixed_rows(cfg)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced)
+        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows_, spec, priced,
+                         min_read(spec.max_len, memory.paged))  # fmt: skip
     return Runner(
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
+        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows_,
         make_mesh(cfg.mesh.data, cfg.mesh.model) if cfg.mesh.data * cfg.mesh.model > 1 else None,
     )  # fmt: skip
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.cost_model import (
     Hardware,
+    Padded,
     kv_budget_tokens,
     pass_work,
     price,
+    runner_shape,
     weight_bytes,
 )
 from jaxbatch.calibrate import _terms, fit, predict, shapes
@@ -21,6 +25,7 @@ from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, HardwareConfig, ModelConfig, validate
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.run import hardware, memory_spec, simulate
+from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from tests.conftest import make_config, make_workload
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -48,18 +53,54 @@ def test_work_of_a_pass_by_hand():
     # Attention: 3 + 1 (query, key) pairs, then 0 + 10; K/V of 4 positions each, Q and O rows.
     assert got["attention"] == ([4 * 8 * 4, 4 * 8 * 10], [128 + 64, 128 + 256])
     assert got["lm_head"] == (2 * 2 * 80, 80 * 4 + 2 * 18 * 4)
-    assert got["own_keys"] == (0, 0)  # not a padded flat pass
-    # A padded flat (mixed) pass of 8 rows: its own keys in one block of 8 x 8 row pairs,
-    # attention per request only over what each had cached (3 and 0 pairs).
-    flat = pass_work(SMALL, np.array([1, 4]), np.array([3, 0]), np.array([True, True]),
-                     computed=8, flat=True)  # fmt: skip
-    assert np.asarray(flat["own_keys"][0]).tolist() == 4 * 8 * 64
+    assert got["own_keys"] == (0, 0)  # only the runner's flat pass has them apart
+
+
+def test_work_at_the_runners_padded_shapes_by_hand():
+    """Padded: every operation as the runner computes it. Per (query, key) pair 4 x 2 heads x 4
+    = 32 FLOPs; per cached position 2 x 4 x 4 = 32 bytes of K/V; per query 64 bytes of Q and O."""
+    n, s, fed = np.array([1, 4]), np.array([3, 0]), np.array([True, True])
+
+    def work(rows, tokens, context, tiles, kind):
+        w = pass_work(SMALL, n, s, fed, padded=Padded(rows, tokens, context, tiles, kind, 2))
+        return {k: (float(np.sum(f)), float(np.sum(b))) for k, (f, b) in w.items()}
+
+    # A flat pass of 8 rows, 1 query tile, context bucket 16: both slots' last rows and the
+    # tile's 32 query rows read 16 positions each (3 reads); the own keys in one 8 x 8 block.
+    flat = work(8, 1, 16, 1, MIXED)
+    assert flat["qkv"][0] == 2 * 8 * 128
+    assert flat["attention"] == (32 * (2 + 32) * 16, 32 * (3 * 16 + 8) + 64 * 8)
+    assert flat["own_keys"] == (32 * 8 * 8, 0.0)
     # 256 rows: 4 blocks of 64 rows over 64, 128, 192 and 256 rows.
-    wide = pass_work(SMALL, np.array([1, 4]), np.array([3, 0]), np.array([True, True]),
-                     computed=256, flat=True)  # fmt: skip
-    assert np.asarray(wide["own_keys"][0]).tolist() == 4 * 8 * 64 * (64 + 128 + 192 + 256)
-    assert np.asarray(flat["attention"][0]).tolist() == [4 * 8 * 3, 0]
-    assert np.asarray(flat["qkv"][0]).tolist() == 2 * 8 * 128
+    assert work(256, 1, 16, 8, MIXED)["own_keys"][0] == 32 * 64 * (64 + 128 + 192 + 256)
+    # Decode over both slots at context bucket 64, whatever each slot holds.
+    assert work(2, 1, 64, 0, DECODE)["attention"] == (32 * 2 * 64, 32 * (2 * 64 + 2) + 64 * 2)
+    # Prefill of 2 rows x 16 tokens from position 0: each row's full 16 x 16 product.
+    prefill = work(2, 16, 0, 0, PREFILL)
+    assert prefill["attention"] == (32 * 2 * 16 * 16, 32 * 32 + 64 * 32)
+    assert prefill["own_keys"] == (0.0, 0.0)
+    # The LM head runs on a prefill's rows (4 in the bucket, 2 fed), else on every slot.
+    assert work(4, 16, 0, 0, PREFILL)["lm_head"][0] == 2 * 4 * 80
+    assert work(2, 1, 64, 0, DECODE)["lm_head"][0] == flat["lm_head"][0] == 2 * 2 * 80
+    # After cached context (bucket 64): each row's 16 queries over its 64 positions.
+    assert work(2, 16, 64, 0, PREFILL)["attention"] == (32 * 2 * 16 * 64, 32 * (128 + 32) + 64 * 32)
+
+
+def test_the_runners_shape_is_the_runners_rule():
+    """`runner_shape` (numpy and jnp) gives a flat pass the query tiles the runner compiles."""
+    buckets = Buckets(num_slots=4, max_len=1024, min_len=16, mixed_rows=64, min_context=64)
+    plans = {  # (num_tokens, start_pos, the tiles the runner compiles)
+        "one chunk of 50: 2 tiles, 64 rows": ([1, 1, 50, 0], [40, 9, 100, 0], 64 // 32),
+        "4 chunks of 16: 4 tiles, the any-plan shape": ([16] * 4, [0, 0, 0, 5], 64 // 32 + 4),
+    }
+    for label, (num, start, tiles) in plans.items():
+        plan = Plan(np.arange(4, dtype=np.int32), np.array(num, np.int32),
+                    np.array(start, np.int32), np.int32(MIXED), np.float32(0), None)  # fmt: skip
+        shape = buckets.shape_of(plan)
+        assert shape.tiles == tiles, label
+        for xp in (np, jnp):
+            got = [int(x) for x in runner_shape(buckets, plan, xp)[:5]]
+            assert got == [shape.rows, 1, shape.context, tiles, MIXED], label
 
 
 def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
@@ -85,17 +126,21 @@ def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
     f, b = pass_work(SMALL, n, s, fed)["attention"]
     attention = np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
     assert float(price(SMALL, slow, n, s, fed)) == pytest.approx(want + 3 * attention, rel=1e-6)
-    # Padded: the matmuls run on the 8 rows of the pass's bucket, attention on what was fed.
+    # A padded entry prices the runner's shape of the pass; any other ignores it.
     padded = dataclasses.replace(hw, padded=True)
+    shape = Padded(8, 1, 16, 1, MIXED, 2)
     eight = 0.25 + sum(
         np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
-        for f, b in pass_work(SMALL, n, s, fed, computed=8).values()
+        for f, b in pass_work(SMALL, n, s, fed, padded=shape).values()
     )
-    for x, y in zip(pass_work(SMALL, n, s, fed, computed=8)["attention"],
-                    pass_work(SMALL, n, s, fed)["attention"]):  # fmt: skip
-        np.testing.assert_array_equal(x, y)
-    assert float(price(SMALL, padded, n, s, fed, computed=8)) == pytest.approx(eight, rel=1e-6)
-    assert float(price(SMALL, hw, n, s, fed, computed=8)) == pytest.approx(want, rel=1e-6)
+    assert eight > want
+    assert float(price(SMALL, padded, n, s, fed, padded=shape)) == pytest.approx(eight, rel=1e-6)
+    assert float(price(SMALL, hw, n, s, fed, padded=shape)) == pytest.approx(want, rel=1e-6)
+    # A prefill and a mixed pass pay their kind's overhead on top; a decode does not.
+    kinded = dataclasses.replace(hw, prefill_overhead_s=0.5, mixed_overhead_s=0.75)
+    for kind, extra in ((PREFILL, 0.5), (MIXED, 0.75), (DECODE, 0.0), (None, 0.0)):
+        got = float(price(SMALL, kinded, n, s, fed, kind=kind))
+        assert got == pytest.approx(want + extra, rel=1e-6), kind
 
 
 def test_llama2_7b_on_an_h100_against_the_roofline():
@@ -159,15 +204,21 @@ def test_a_priced_run_charges_each_pass_its_price():
 
 def test_calibration_recovers_the_efficiencies_that_made_the_times():
     spec = ModelConfig().spec()
-    terms = [_terms(spec, plan, int(plan.num_tokens.sum())) for _, _, plan in shapes()]
+    plans = [(slots, plan) for _, slots, plan in shapes()]
+    terms = [
+        _terms(spec, plan, runner_shape(Buckets(slots, spec.max_len, 16, 512, 64), plan, np))
+        for slots, plan in plans
+    ]
+    kinds = np.array([int(plan.kind) for _, plan in plans])
+    assert [(kinds == k).sum() for k in (DECODE, PREFILL, MIXED)] == [9 + 2, 9, 8]
     grid, attention_grid = np.geomspace(0.002, 1.0, 120), np.geomspace(0.02, 2.0, 120)
-    # Times from a known entry, on the fit's grids.
-    ce, me, ae, overhead = grid[70], grid[100], attention_grid[40], 2e-4
-    times = predict(terms, 20e9, 100e9, ce, me, ae, overhead)
-    got = fit(terms, times, 20e9, 100e9)
+    # Times from a known entry, on the fit's grids: a decode's overhead, each other kind's more.
+    ce, me, ae, overheads = grid[70], grid[100], attention_grid[40], (2e-4, 3e-4, 1e-3)
+    times = predict(terms, kinds, 20e9, 100e9, ce, me, ae, *overheads)
+    got = fit(terms, times, kinds, 20e9, 100e9)
     assert got[:3] == (pytest.approx(ce), pytest.approx(me), pytest.approx(ae))
-    assert got[3] == pytest.approx(overhead, rel=1e-6)
-    np.testing.assert_allclose(predict(terms, 20e9, 100e9, *got), times, rtol=1e-6)
+    assert got[3:] == tuple(pytest.approx(x, rel=1e-6) for x in overheads)
+    np.testing.assert_allclose(predict(terms, kinds, 20e9, 100e9, *got), times, rtol=1e-6)
 
 
 def test_metrics_name_the_hardware_a_run_was_priced_for(tmp_path):

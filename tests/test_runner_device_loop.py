@@ -125,7 +125,8 @@ def test_device_loop_config_errors_name_the_field(change, expect):
 @pytest.mark.parametrize("policy", ["static", "continuous", "chunked", "orca"])
 def test_the_simulator_makes_the_runners_plans(policy):
     """The same `sched/` code schedules both backends: with arrivals on the passes clock, the
-    simulator's passes are the runner's, pass for pass, on either loop."""
+    simulator's passes are the runner's, pass for pass, on either loop, at the runner's shapes
+    (the simulator shares its buckets, the slot cache's context floor included)."""
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5], arrival=[0.0, 2.0, 2.0, 9.0, 60.0])
     cfg = make_config(policy, num_slots=3, clock="passes")
     cfg.policy.token_budget = 64
@@ -134,5 +135,6 @@ def test_the_simulator_makes_the_runners_plans(policy):
     for loop in ("host", "device"):
         engine = dataclasses.replace(cfg.engine, backend="simulator", loop=loop)
         sim = simulate(dataclasses.replace(cfg, engine=engine), w)
-        for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_tokens"):
+        for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_tokens",
+                      "rows", "row_tokens", "context"):  # fmt: skip
             np.testing.assert_array_equal(getattr(sim.record, field), getattr(runner.record, field))

@@ -93,8 +93,12 @@ class Buckets:
     def flat(self, rows: int, context: int, any_plan: bool = False) -> PassShape:
         """A flat pass of `rows` rows and its query tiles: rows / QUERY_TILE, or with
         `any_plan` as many as any plan of that many tokens can need (num_slots more)."""
-        tiles = max(1, rows // QUERY_TILE) + (self.num_slots if any_plan else 0)
-        return PassShape(rows, 1, context, flat=True, tiles=tiles)
+        return PassShape(rows, 1, context, flat=True, tiles=int(self.tiles(rows, any_plan)))
+
+    def tiles(self, rows, any_plan, xp=np):
+        """Query tiles of a flat pass of `rows` rows (numpy or jnp): one per QUERY_TILE rows,
+        and num_slots more for the shape that runs any plan of that many tokens."""
+        return xp.maximum(1, rows // QUERY_TILE) + xp.where(any_plan, self.num_slots, 0)
 
     def shape_fields(self, plan: Plan, xp=np, mixed_rows=None):
         """A pass's bucketed shape as (rows, tokens per row, context, any_plan), by one rule for

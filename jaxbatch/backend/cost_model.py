@@ -2,23 +2,28 @@
 
 A pass is priced as the sum over its operations of max(FLOPs / (peak x compute efficiency),
 bytes / (bandwidth x memory efficiency)) (attention's rates further scaled by its own efficiency),
-plus a fixed per-pass overhead and, with tensor
-parallelism, the all-reduce of each layer's two partial sums. The operations: per layer the QKV,
-output and MLP matmuls (every fed token), and attention per request, from its own query and
-context lengths (never a batch mean); then the LM head on the sampled rows. Weights are read once
-a pass. Everything is jnp on per-slot arrays, so it prices plans inside jitted code and under vmap
-as well as on the host. Never touch weights here: a ModelSpec and a Hardware entry are all it reads.
+plus a fixed per-pass overhead (a prefill's and a mixed pass's each their own, where the hardware
+entry says so) and, with tensor parallelism, the all-reduce of each layer's two partial sums. The
+operations: per layer the QKV, output and MLP matmuls (every fed token), and attention per request,
+from its own query and context lengths (never a batch mean); then the LM head on the sampled rows.
+Weights are read once a pass. A `padded` entry (this machine's, fitted by calibration) prices
+instead what the runner computes: every operation at the pass's bucketed shape (`runner_shape`).
+Everything is jnp on per-slot arrays, so it prices plans inside jitted code and under vmap as well
+as on the host. Never touch weights here: a ModelSpec and a Hardware entry are all it reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import Array
 
+from jaxbatch.backend.buckets import QUERY_TILE, Buckets
 from jaxbatch.model.pass_attention import OWN_BLOCK
 from jaxbatch.model.spec import ModelSpec
+from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 
 GB = 1e9
 
@@ -38,13 +43,20 @@ class Hardware:
     memory_efficiency: float = 0.9
     pass_overhead_s: float = 0.0
     attention_efficiency: float = 1.0  # attention's rates as a share of the matmuls'
-    # Matmuls priced at the runner's padded shape (its bucket's rows x tokens), as this machine's
-    # runner computes them (calibration sets it); False: at the tokens fed.
+    # Priced at the runner's padded shape (`runner_shape`: matmuls on its bucket's rows x tokens,
+    # attention over each row's context bucket), as this machine's runner computes them
+    # (calibration sets it); False: the work the tokens need.
     padded: bool = False
+    prefill_overhead_s: float = 0.0  # added to a prefill pass's overhead
+    mixed_overhead_s: float = 0.0  # added to a mixed pass's overhead
 
 
 def _itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
+
+
+def _kv_itemsize(spec: ModelSpec) -> int:
+    return _itemsize(spec.kv_dtype if spec.kv_dtype != "auto" else spec.dtype)
 
 
 def matmuls(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -58,60 +70,109 @@ def matmuls(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     }
 
 
+class Padded(NamedTuple):
+    """A pass as the runner computes it (`runner_shape`): `rows` x `tokens` per row, the
+    `context` positions each row reads, the query `tiles` of a flat (mixed) pass, its `kind`
+    (numbers or traced scalars) and the cache's `slots`."""
+
+    rows: Array
+    tokens: Array
+    context: Array
+    tiles: Array
+    kind: Array
+    slots: int
+
+
+def runner_shape(buckets: Buckets, plan: Plan, xp=jnp, mixed_rows=None) -> Padded:
+    """The runner's shape of a plan, by its own rule (`Buckets.shape_fields`, numpy or jnp)."""
+    rows, tokens, context, any_plan = buckets.shape_fields(plan, xp, mixed_rows)
+    tiles = xp.where(plan.kind == MIXED, buckets.tiles(rows, any_plan, xp), 0)
+    return Padded(rows, tokens, context, tiles, plan.kind, buckets.num_slots)
+
+
 def pass_work(
     spec: ModelSpec, num_tokens: Array, start_pos: Array, sampled: Array, tp: int = 1,
-    computed: Array | None = None, flat=False,
+    padded: Padded | None = None,
 ):  # fmt: skip
     """FLOPs and bytes of each operation of a pass, per device of a `tp`-way group (activations
     counted as if split `tp` ways).
 
     num_tokens, start_pos [B]: what each slot feeds and where; sampled [B] bool: the slots whose
-    last token is sampled; `computed`: the tokens the matmuls run on, padding included (None: the
-    tokens fed). `flat` (with `computed`; a bool, traced or not): a mixed pass as the runner
-    computes it, whose rows attend to the pass's own keys in blocks of its `computed` rows
-    (`own_keys`, priced as a matmul), not per request. Returns {op: (flops, bytes)}, where
-    attention's entries are [B] (one per request and all layers) and the others scalars (all
-    layers)."""
+    last token is sampled. Without `padded`, the work the tokens need: attention per request from
+    its own query and context lengths, as a ragged attention kernel computes it. With `padded`
+    (the runner's shape), the work this repository's runner computes: the matmuls on every row
+    of its bucket, and attention over each row's whole context bucket (`_padded_attention`).
+    Returns {op: (flops, bytes)}, where attention's entries are [B] (one per request and all
+    layers; a scalar when padded) and the others scalars (all layers)."""
     n = jnp.asarray(num_tokens, jnp.float32)
     s = jnp.asarray(start_pos, jnp.float32)
-    tokens = n.sum() if computed is None else jnp.asarray(computed, jnp.float32)
+    if padded is None:
+        tokens = n.sum()
+    else:
+        tokens = jnp.asarray(padded.rows, jnp.float32) * jnp.asarray(padded.tokens, jnp.float32)
     rows = jnp.asarray(sampled, jnp.float32).sum()
+    if padded is not None:  # the LM head's rows: a prefill's, else every slot's
+        rows = jnp.where(
+            padded.kind == PREFILL, jnp.asarray(padded.rows, jnp.float32), padded.slots
+        )
     w, a = _itemsize(spec.dtype), _itemsize(spec.dtype)
-    kv = _itemsize(spec.kv_dtype if spec.kv_dtype != "auto" else spec.dtype)
     layers, d = spec.n_layers, spec.d_model
     work = {}
     for op, (params, io) in matmuls(spec).items():
         p = params / tp
         work[op] = (layers * 2 * tokens * p, layers * (p * w + tokens * io / tp * a))
-    # Attention: a request's n new queries see its s cached keys and the causal part of its own;
-    # a padded flat pass computes its own keys' part as the runner does, in blocks of OWN_BLOCK
-    # rows, each over every row up to its end: R rows, R (R + block) / 2 row pairs.
-    own = jnp.asarray(flat) & (computed is not None)
-    pairs = n * s + jnp.where(own, 0.0, n * (n + 1) / 2)
     heads, kv_heads = spec.n_heads / tp, spec.n_kv_heads / tp
-    per_pair = layers * 4 * heads * spec.head_dim
-    own_pairs = tokens * (tokens + jnp.minimum(tokens, OWN_BLOCK)) / 2
-    work["own_keys"] = (jnp.where(own, per_pair * own_pairs, 0.0), jnp.float32(0.0))
-    flops = per_pair * pairs
-    kv_bytes = layers * 2 * kv_heads * spec.head_dim * kv * (s + n)  # read context, write new
-    qo_bytes = layers * 2 * n * heads * spec.head_dim * a
-    work["attention"] = (flops, kv_bytes + qo_bytes)
+    per_pair = layers * 4 * heads * spec.head_dim  # QK and PV products, every head and layer
+    per_key = layers * 2 * kv_heads * spec.head_dim * _kv_itemsize(spec)  # K and V of a position
+    per_query = layers * 2 * heads * spec.head_dim * a  # Q read, O written
+    if padded is None:
+        # A request's n new queries see its s cached keys and the causal part of its own.
+        pairs = n * s + n * (n + 1) / 2
+        work["attention"] = (per_pair * pairs, per_key * (s + n) + per_query * n)
+        work["own_keys"] = (jnp.float32(0.0), jnp.float32(0.0))
+    else:
+        work.update(_padded_attention(padded, per_pair, per_key, per_query))
     head = spec.vocab_size * d / tp
     work["lm_head"] = (2 * rows * head, head * w + rows * (d + spec.vocab_size / tp) * a)
     return work
 
 
+def _padded_attention(shape: Padded, per_pair, per_key, per_query) -> dict:
+    """Attention as the runner computes it (`model.pass_attention`), every product at its padded
+    shape. Decode: each slot's row reads its context bucket C. Prefill: rows x tokens queries,
+    each row reading C (its K/V written first), or from position 0 its own tokens' full product.
+    Mixed (flat): each slot's last row reads C, as does each query tile of QUERY_TILE rows
+    (`tiles` of them); the pass's own keys are attended in blocks of OWN_BLOCK rows, each over
+    the rows up to its end: R rows, R (R + block) / 2 row pairs, priced as a matmul (`own_keys`).
+    """
+    r, t, c, tiles = (jnp.asarray(x, jnp.float32) for x in shape[:4])
+    decode, mixed = shape.kind == DECODE, shape.kind == MIXED
+    # Rows that read a context bucket, and the queries among them.
+    readers = jnp.where(mixed, shape.slots + tiles, r) * (c > 0)
+    queries = jnp.where(mixed, shape.slots + tiles * QUERY_TILE, r * t) * (c > 0)
+    prefill_own = jnp.where(decode | mixed | (c > 0), 0.0, r * t * t)  # from position 0
+    attention = (
+        per_pair * (queries * c + prefill_own),
+        per_key * (readers * c + r * t) + per_query * r * t,  # read contexts, write new K/V
+    )
+    own = r * (r + jnp.minimum(r, OWN_BLOCK)) / 2
+    return {"attention": attention, "own_keys": (jnp.where(mixed, per_pair * own, 0.0), 0.0)}
+
+
 def price(
-    spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1, computed=None,
-    flat=False,
+    spec: ModelSpec, hw: Hardware, num_tokens, start_pos, sampled, tp: int = 1,
+    padded: Padded | None = None, kind=None,
 ) -> Array:  # fmt: skip
-    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw` (`computed`, `flat`: see
-    `pass_work`; used when `hw.padded`)."""
+    """Seconds for one pass on a `tp`-way tensor-parallel group of `hw` (`padded`: the runner's
+    shape, used when `hw.padded`; see `pass_work`). `kind`: the pass's kind, for its kind's
+    overhead (None: a decode's)."""
     compute = hw.peak_flops * hw.compute_efficiency
     memory = hw.memory_bandwidth * hw.memory_efficiency
     total = jnp.float32(hw.pass_overhead_s)
-    computed = computed if hw.padded else None
-    work = pass_work(spec, num_tokens, start_pos, sampled, tp, computed, flat)
+    if kind is not None:
+        extra = jnp.where(kind == MIXED, hw.mixed_overhead_s, 0.0)
+        total = total + jnp.where(kind == PREFILL, hw.prefill_overhead_s, extra)
+    work = pass_work(spec, num_tokens, start_pos, sampled, tp, padded if hw.padded else None)
     for op, (flops, nbytes) in work.items():
         scale = hw.attention_efficiency if op == "attention" else 1.0
         total = total + jnp.maximum(flops / compute, nbytes / memory).sum() / scale

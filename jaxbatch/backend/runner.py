@@ -33,7 +33,7 @@ from jaxbatch.model.kvcache import (
     SlotCache,
     init_paged_cache,
     init_slot_cache,
-    segment_bounds,
+    min_read,
 )
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import Transformer
@@ -216,9 +216,8 @@ class Runner:
         self.spec, self.params, self.num_slots, self.mesh = spec, params, num_slots, mesh
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
-        # Paged reads gather only the blocks a context needs; slot reads take whole segments.
-        min_context = 0 if self.paged else segment_bounds(spec.max_len)[1]
-        self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, min_context)
+        self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows,
+                               min_read(spec.max_len, self.paged))  # fmt: skip
         self.max_blocks = memory.max_blocks if memory else 0
 
         def new_cache() -> SlotCache | PagedCache:

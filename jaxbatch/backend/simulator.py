@@ -1,6 +1,7 @@
 """Runs a plan without a model: every slot's token is 0, requests finish by their output budget.
 
-It shares the runner's buckets so padding is counted alike. With `priced` (a Hardware entry and a
+It shares the runner's buckets (`min_context`: the runner's cache's floor, `kvcache.min_read`) so
+padding is counted alike. With `priced` (a Hardware entry and a
 tensor-parallel degree) it prices each pass with the cost model (`engine.clock=priced`); otherwise
 the clock counts passes. It must never touch model weights.
 """
@@ -13,9 +14,9 @@ import numpy as np
 from jax import Array
 
 from jaxbatch.backend.buckets import Buckets, PassShape
-from jaxbatch.backend.cost_model import Hardware, price
+from jaxbatch.backend.cost_model import Hardware, price, runner_shape
 from jaxbatch.model.spec import ModelSpec
-from jaxbatch.sched.state import MIXED, Plan
+from jaxbatch.sched.state import Plan
 
 
 class Simulator:
@@ -27,10 +28,9 @@ class Simulator:
         mixed_rows: int = 0,
         spec: ModelSpec | None = None,
         priced: tuple[Hardware, int] | None = None,
+        min_context: int = 0,
     ):
-        self.buckets = Buckets(
-            num_slots=num_slots, max_len=max_len, min_len=min_bucket, mixed_rows=mixed_rows
-        )
+        self.buckets = Buckets(num_slots, max_len, min_bucket, mixed_rows, min_context)
         self._tokens = jnp.zeros(num_slots, jnp.int32)
         self._price = self.price_plan = None
         if priced is not None:
@@ -40,10 +40,8 @@ class Simulator:
                 num_tokens, start_pos, kind, mixed_rows=None
             ) -> Array:  # jnp: a pass's price
                 plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
-                rows, tokens, _, _ = self.buckets.shape_fields(plan, jnp, mixed_rows)
-                fed = num_tokens > 0
-                flat = kind == MIXED
-                return price(spec, hw, num_tokens, start_pos, fed, tp, rows * tokens, flat)
+                padded = runner_shape(self.buckets, plan, jnp, mixed_rows)
+                return price(spec, hw, num_tokens, start_pos, num_tokens > 0, tp, padded, kind)
 
             self._price = jax.jit(priced)
             self.price_plan = lambda plan, rows: priced(plan.num_tokens, plan.start_pos,

@@ -37,6 +37,13 @@ def segment_bounds(max_len: int, first: int = 64, last: int = 256) -> list[int]:
     return bounds + ([max_len] if bounds[-1] < max_len else [])
 
 
+def min_read(max_len: int, paged: bool) -> int:
+    """The fewest cached positions a read takes (a context bucket's floor): a paged read gathers
+    only the blocks a context needs (no floor); a slot read takes whole segments, so at least the
+    first of `segment_bounds`."""
+    return 0 if paged else segment_bounds(max_len)[1]
+
+
 def _write_all(cache, ks: tuple[Array, ...], vs: tuple[Array, ...], index: CacheIndex):
     """Store a pass's K/V of every layer ([N, T, H, D] each) at its rows' positions."""
     for layer, (k, v) in enumerate(zip(ks, vs)):
