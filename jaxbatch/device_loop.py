@@ -126,13 +126,21 @@ def device_loop(
 
 
 def sweep_segment(policy: Policy, backend: Simulator, size: int, params: PolicyParams, consts,
-                  carry):  # fmt: skip
+                  carry, floor, steps):  # fmt: skip
     """One segment of a sweep: every member (carries, params and backend consts stacked on a
-    leading axis) steps, vmapped, until each has ended or filled its `size` passes of record;
-    the host then drains the records (`run_sweep`). A halted member (ended, or full) stays."""
+    leading axis) steps, vmapped, until each has ended or filled its `size` passes of record, or
+    until no more than `floor` are still stepping, or for `steps` iterations at most; the host
+    then drains the records and narrows the sweep to the members still running (`run_sweep`). A
+    halted member (ended, or full) stays."""
     step = jax.vmap(lambda pp, k, c: _step(policy, pp, backend, k, size, False, None, c))
-    live = lambda c: jax.vmap(partial(_live, size))(c).any()  # noqa: E731
-    return jax.lax.while_loop(live, lambda c: step(params, consts, c), carry)
+
+    def live(ic):
+        i, c = ic
+        stepping = jax.vmap(partial(_live, size))(c)
+        return (i < steps) & stepping.any() & (stepping.sum() > floor)
+
+    body = lambda ic: (ic[0] + 1, step(params, consts, ic[1]))  # noqa: E731
+    return jax.lax.while_loop(live, body, (jnp.int32(0), carry))[1]
 
 
 def run_device(
@@ -265,6 +273,30 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
 
 
 SWEEP_BYTES = 1 << 28  # record a sweep keeps on the device between drains, all members together
+MIN_LANES = 8  # a sweep narrows to no fewer members than this
+
+
+def _widths(m: int) -> list[int]:
+    """The widths a sweep of m members steps at: m, then the powers of two from m / 2 down to
+    MIN_LANES, each taken once no more than it are still running."""
+    widths, w = [m], 1 << max(m - 1, 0).bit_length()
+    while w // 2 >= MIN_LANES:
+        w //= 2
+        if w <= m // 2:
+            widths.append(w)
+    return widths
+
+
+def _narrow(lanes: np.ndarray, done: np.ndarray, floor: int):
+    """The lanes a sweep keeps once no more than `floor` (the next width) of its members are
+    still running: those members' lanes, then copies of an ended lane (which stays halted) up to
+    `floor`; None while more are running. A sweep narrows one width at a time (a segment at the
+    next width that has nothing to do ends at once), so each width needs one gather."""
+    running = np.flatnonzero(~done & (lanes >= 0))
+    if not floor or len(running) > floor:
+        return None
+    spare = int(np.flatnonzero(done)[0])
+    return np.concatenate([running, np.full(floor - len(running), spare)]).astype(np.int32)
 
 
 def run_sweep(
@@ -274,40 +306,68 @@ def run_sweep(
     """Simulated runs of one program (the same policy, shapes and static backend; their
     workloads, traced params and backend consts differ) as one compiled, vmapped device loop;
     returns each member's result, as `run_device` would (tested field for field). Members keep
-    a plain float32 clock (a microsecond up to 8 s). Compilation counts as every member's
-    warm-up, the loop's wall time as every member's. The device keeps a record buffer of
-    SWEEP_BYTES for all members; the host drains it whenever a member fills its share."""
+    a plain float32 clock (a microsecond up to 8 s). Members step together, so the sweep costs
+    its longest member's passes times its width: once no more than half of its members are still
+    running, the host narrows it to them (`_widths`; an ended member's state is kept), so a sweep
+    of members of very different lengths does not step its ended ones to the end. Compilation
+    (one program per width, all before the clock starts) counts as every member's warm-up, the
+    loop's wall time as every member's. The device keeps a record buffer of SWEEP_BYTES for all
+    members; the host drains it whenever a member fills its share, and at each narrowing."""
     m, b = len(states), states[0].num_slots
     size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
-    pstack = jax.tree.map(lambda *xs: np.stack(xs), *params)
-    consts = jax.tree.map(lambda *xs: np.stack(xs), *[b.consts() for b in backends])
+    stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
+    pstack, consts = stack(params), stack([b.consts() for b in backends])
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
-    carry = start(stacked)
-    run = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
-    run = run.lower(pstack, consts, carry).compile()
+    carry = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))(stack(states))
+    segment = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
+    # Every width's program and the gather that narrows to the next, compiled, then run once
+    # each on a copy of the start (XLA's first run of a program costs far more than later ones).
+    widths, programs, gathers = _widths(m), {}, {}
+    take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
+    tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))((pstack, consts, carry))
+    for w, to in zip(widths, widths[1:] + [0]):
+        spec = jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype), tree)
+        programs[w] = segment.lower(*spec, jnp.int32(0), jnp.int32(0)).compile()
+        tree = (*tree[:2], programs[w](*tree, jnp.int32(0), jnp.int32(1)))
+        if to:
+            gathers[w] = take.lower(spec, np.zeros(to, np.int32)).compile()
+            tree = gathers[w](tree, np.arange(to, dtype=np.int32))
+    jax.block_until_ready(tree)
     warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
     drained: list[list[dict]] = [[] for _ in range(m)]
+    finals: list[SchedState | None] = [None] * m
+    lanes = np.arange(m)  # each lane's member; -1: a spare lane (a copy of an ended one)
     total = np.zeros(m, np.int64)
+
+    def keep_finals(final, which):  # the final states of the lanes `which`, by member
+        for lane in which:
+            finals[lanes[lane]] = jax.tree.map(lambda x, i=lane: x[i], final)
+
     while True:
-        carry = run(pstack, consts, carry)
-        rec, passes = jax.device_get((carry[5], carry[2]))
-        for i, p in enumerate(passes):
-            drained[i].append({k: v[i, :p] for k, v in rec.items()})
-        total += passes
-        done = np.asarray(carry[4])
-        if done.all() or (total >= max_passes).any():
+        widths = [w for w in _widths(m) if w < len(lanes)]
+        floor = widths[0] if widths else 0
+        carry = programs[len(lanes)](pstack, consts, carry, jnp.int32(floor), jnp.int32(2**31 - 1))
+        rec, passes, done = jax.device_get((carry[5], carry[2], carry[4]))
+        for lane, member in enumerate(lanes):
+            if member >= 0:
+                drained[member].append({k: v[lane, : passes[lane]] for k, v in rec.items()})
+                total[member] += passes[lane]
+        ours = lanes >= 0
+        if done[ours].all() or (total >= max_passes).any():
             break
-        carry = (*carry[:2], jnp.zeros(m, jnp.int32), *carry[3:])
+        carry = (*carry[:2], np.zeros(len(lanes), np.int32), *carry[3:])
+        idx = _narrow(lanes, done, floor)
+        if idx is not None:
+            keep_finals(jax.device_get(carry[0]), np.flatnonzero(done & ours))
+            pstack, consts, carry = gathers[len(lanes)]((pstack, consts, carry), idx)
+            lanes = np.where(np.arange(len(idx)) < (~done & ours).sum(), lanes[idx], -1)
     wall_s = time.perf_counter() - t0
-    final = jax.device_get(carry[0])
+    keep_finals(jax.device_get(carry[0]), np.flatnonzero(lanes >= 0))
     counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
               cache_hits() - hits0, wall_s)  # fmt: skip
     results = []
-    for i in range(m):
-        member = jax.tree.map(lambda x, i=i: x[i], final)
+    for i, member in enumerate(finals):
         if ((member.status != FINISHED) & (member.status != REJECTED)).any():
             raise RuntimeError(f"sweep member {i} did not end within max_passes={max_passes}")
         cols = {k: np.concatenate([d[k] for d in drained[i]]) for k in drained[i][0]}

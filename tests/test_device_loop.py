@@ -66,10 +66,17 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
     np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
 
 
+@pytest.mark.parametrize("min_lanes", [8, 1])  # 3 members at once; narrowed to 1 once 1 runs
 @pytest.mark.parametrize("sweep_bytes", [1 << 28, 1])  # one segment; drained every 16 passes
-def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes):
-    """Three arrival processes (a rate sweep) as one program (`run_sweep`), field for field."""
+def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes, min_lanes):
+    """Three arrival processes (a rate sweep) as one program (`run_sweep`), field for field,
+    also when the sweep narrows to its last running member."""
     monkeypatch.setattr(loop_module, "SWEEP_BYTES", sweep_bytes)
+    monkeypatch.setattr(loop_module, "MIN_LANES", min_lanes)
+    narrowed, narrow = [], loop_module._narrow  # what each call of `_narrow` kept
+    monkeypatch.setattr(
+        loop_module, "_narrow", lambda *a: narrowed.append(narrow(*a)) or narrowed[-1]
+    )
     policy, params = make_policy("continuous"), PolicyParams()
     n = len(PROMPTS)
 
@@ -90,6 +97,8 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes
                 getattr(alone.record, field), getattr(member.record, field), err_msg=field
             )
     assert len({r.record.num_passes for r in together}) == 3  # really different runs
+    kept = [list(k) for k in narrowed if k is not None]
+    assert kept == ([] if min_lanes == 8 else [[2]])  # the slowest arrivals' member, alone
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
