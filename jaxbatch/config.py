@@ -452,6 +452,16 @@ def _hardware(cfg: Config) -> None:
     for name in ("peak_tflops", "memory_gb_s", "memory_gb", "link_gb_s", "compute_efficiency",
                  "memory_efficiency", "attention_efficiency", "tensor_parallel"):  # fmt: skip
         _positive(f"hardware.{name}", getattr(h, name))
+    extras = {"pass": 0.0, "prefill": h.prefill_overhead_us, "mixed": h.mixed_overhead_us}
+    for kind, extra in extras.items():  # each kind's whole overhead is a time: never below 0
+        if h.pass_overhead_us + extra < 0:
+            field, named = f"{kind}_overhead_us", "" if kind == "pass" else f"{kind} "
+            total = "pass_overhead_us" + ("" if kind == "pass" else f" + {field}")
+            raise ConfigError(
+                f"hardware.{field}",
+                getattr(h, field),
+                f"a {named}pass's overhead ({total}) must be >= 0",
+            )
     if m.n_kv_heads % h.tensor_parallel:
         raise ConfigError(
             "hardware.tensor_parallel", h.tensor_parallel,

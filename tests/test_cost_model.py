@@ -172,11 +172,18 @@ def test_llama2_7b_on_an_h100_against_the_roofline():
          "hardware.tensor_parallel=1 is not valid: llama2_70b's weights (138.0 GB) and one max_len "
          "sequence of KV do not fit 1 x 40 GB of a100_40gb (less a 10% activation reserve): use "
          "at least 4 devices"),
+        ({"overheads": (-5.0, 0.0)},
+         "hardware.pass_overhead_us=-5.0 is not valid: a pass's overhead (pass_overhead_us) must "
+         "be >= 0"),
+        ({"overheads": (100.0, -200.0)},
+         "hardware.mixed_overhead_us=-200.0 is not valid: a mixed pass's overhead "
+         "(pass_overhead_us + mixed_overhead_us) must be >= 0"),
     ],
 )  # fmt: skip
 def test_bad_hardware_is_refused_naming_the_field(change, message):
     cfg = _with(change.get("model", "llama2_7b"), change.get("hw", "h100_sxm"), change.get("tp", 1))
     cfg.hardware.name = change.get("hardware", cfg.hardware.name)
+    cfg.hardware.pass_overhead_us, cfg.hardware.mixed_overhead_us = change.get("overheads", (0, 0))
     with pytest.raises(ConfigError) as err:
         validate(cfg)
         memory_spec(cfg)
