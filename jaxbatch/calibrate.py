@@ -1,19 +1,19 @@
 """`jaxbatch-calibrate`: fit the cost model to this machine's runner, as hardware `cpu_local`.
 
 It measures the machine (read bandwidth: a jitted sum over 64-256 MiB; peak: a jitted 2048 x 2048
-float32 matmul), times the real runner's passes over a grid of shapes (decode: slots x context;
-prefill: prompts x tokens; mixed: decodes plus a prompt chunk filling a token budget), prices each
-pass's work with `cost_model.pass_work`, and fits the entry's compute, memory and attention
-efficiencies and per-pass overhead to the times by least squares on the relative error, holding
-out every fourth shape. A pass in a run also costs the host loop's own work (schedule, commit,
-one sync), which a pass timed alone does not, and more for a pass that feeds prompt tokens (the
-loop dispatches a decode ahead of its plan, never a prompt pass): the overheads written, one per
-pass kind, are medians over that kind's passes in real runs (continuous and chunked) of each
-pass's measured time less its priced work (`run_overheads`).
-It prints the fit's error per shape, held-out shapes marked, and writes
-configs/hardware/cpu_local.yaml. Every operation is priced at the runner's padded shape (the
-entry's `padded`: matmuls on every row of the pass's bucket, attention over each row's context
-bucket, `cost_model.runner_shape`), as the runner computes them.
+float32 matmul), times the real runner's passes over a grid of shapes (decode: slots x context, and
+as a run has them; prefill: prompts x tokens; mixed: decodes plus a prompt chunk filling a token
+budget) in interleaved rounds, prices each pass's work with `cost_model.pass_work` at the runner's
+padded shape (the entry's `padded`: matmuls on every row of the pass's bucket, attention over each
+row's context bucket, `cost_model.runner_shape`), and fits the entry's compute, memory and
+attention efficiencies and an overhead per pass kind to the times by least squares on the relative
+error. It prints the fit's error per shape, holding out every fourth shape (the fit written), and
+the median error with every shape held out once (4 folds). A pass in a run also costs the host
+loop's own work (schedule, commit, one sync), which a pass timed alone does not, and more for a
+pass that feeds prompt tokens (the loop dispatches a decode ahead of its plan, never a prompt
+pass): the overheads written, one per pass kind, are medians over that kind's passes in real runs
+(continuous and chunked) of each pass's measured time less its priced work (`run_overheads`). It
+writes configs/hardware/cpu_local.yaml.
 """
 
 from __future__ import annotations
@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> None:
                   peak)  # fmt: skip
         return got, predict(terms, kinds, bandwidth, peak, *got) / times - 1
 
-    cross = np.zeros(len(timed))
-    for k in range(3):
-        cross[folds == k] = held_out(k)[1][folds == k]
-    (ce, me, ae, *overheads), err = held_out(3)
-    cross[folds == 3] = err[folds == 3]
+    fits = [held_out(k) for k in range(4)]
+    cross = sum(np.where(folds == k, e, 0.0) for k, (_, e) in enumerate(fits))  # all held out
+    (ce, me, ae, *overheads), err = fits[3]
     held = folds == 3
     print(
         f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "

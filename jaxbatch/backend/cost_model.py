@@ -106,15 +106,12 @@ def pass_work(
     layers; a scalar when padded) and the others scalars (all layers)."""
     n = jnp.asarray(num_tokens, jnp.float32)
     s = jnp.asarray(start_pos, jnp.float32)
-    if padded is None:
-        tokens = n.sum()
-    else:
-        tokens = jnp.asarray(padded.rows, jnp.float32) * jnp.asarray(padded.tokens, jnp.float32)
-    rows = jnp.asarray(sampled, jnp.float32).sum()
-    if padded is not None:  # the LM head's rows: a prefill's, else every slot's
-        rows = jnp.where(
-            padded.kind == PREFILL, jnp.asarray(padded.rows, jnp.float32), padded.slots
-        )
+    if padded is None:  # the tokens fed; the LM head on the sampled rows
+        tokens, rows = n.sum(), jnp.asarray(sampled, jnp.float32).sum()
+    else:  # every row of the bucket; the LM head on a prefill's rows, else on every slot
+        bucket_rows = jnp.asarray(padded.rows, jnp.float32)
+        tokens = bucket_rows * jnp.asarray(padded.tokens, jnp.float32)
+        rows = jnp.where(padded.kind == PREFILL, bucket_rows, padded.slots)
     w, a = _itemsize(spec.dtype), _itemsize(spec.dtype)
     layers, d = spec.n_layers, spec.d_model
     work = {}
@@ -156,7 +153,8 @@ def _padded_attention(shape: Padded, per_pair, per_key, per_query) -> dict:
         per_key * (readers * c + r * t) + per_query * r * t,  # read contexts, write new K/V
     )
     own = r * (r + jnp.minimum(r, OWN_BLOCK)) / 2
-    return {"attention": attention, "own_keys": (jnp.where(mixed, per_pair * own, 0.0), 0.0)}
+    own_keys = (jnp.where(mixed, per_pair * own, 0.0), jnp.float32(0.0))
+    return {"attention": attention, "own_keys": own_keys}
 
 
 def price(
