@@ -187,15 +187,15 @@ def mixed_rows(cfg: Config) -> int:
 
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
-    mixed_rows_ = mixed_rows(cfg)
+    budget_rows = mixed_rows(cfg)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows_, spec, priced,
+        return Simulator(e.num_slots, spec.max_len, e.min_bucket, budget_rows, spec, priced,
                          min_read(spec.max_len, memory.paged))  # fmt: skip
     return Runner(
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows_,
+        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, budget_rows,
         make_mesh(cfg.mesh.data, cfg.mesh.model) if cfg.mesh.data * cfg.mesh.model > 1 else None,
     )  # fmt: skip
 

@@ -1,9 +1,9 @@
 """Runs a plan without a model: every slot's token is 0, requests finish by their output budget.
 
 It shares the runner's buckets (`min_context`: the runner's cache's floor, `kvcache.min_read`) so
-padding is counted alike. With `priced` (a Hardware entry and a
-tensor-parallel degree) it prices each pass with the cost model (`engine.clock=priced`); otherwise
-the clock counts passes. It must never touch model weights.
+padding is counted alike. With `priced` (a Hardware entry and a tensor-parallel degree) it prices
+each pass with the cost model (`engine.clock=priced`); otherwise the clock counts passes. It must
+never touch model weights.
 """
 
 from __future__ import annotations
