@@ -19,6 +19,7 @@ writes configs/hardware/cpu_local.yaml.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.cost_model import Padded, pass_work, runner_shape
 from jaxbatch.backend.runner import Runner
 from jaxbatch.config import (
@@ -39,10 +39,9 @@ from jaxbatch.config import (
     PolicyConfig,
     WorkloadConfig,
 )
-from jaxbatch.model.kvcache import min_read
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
-from jaxbatch.run import mixed_rows, simulate
+from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from jaxbatch.workload import from_config
 
@@ -280,14 +279,12 @@ def run_overheads(
             workload=WorkloadConfig(num_requests=64, prompt=lengths, output=lengths, seed=1),
             engine=EngineConfig(num_slots=16), output=OutputConfig(progress=False, plots=False),
         )  # fmt: skip
-        rec = simulate(cfg, from_config(cfg.workload)).record
-        buckets = Buckets(
-            cfg.engine.num_slots,
-            spec.max_len,
-            cfg.engine.min_bucket,
-            mixed_rows(cfg),
-            min_read(spec.max_len, paged=False),
-        )  # the runner's
+        workload = from_config(cfg.workload)
+        rec = simulate(cfg, workload).record
+        # The run's buckets: the simulator's for the same config are the runner's (tested).
+        simulated = dataclasses.replace(cfg.engine, backend="simulator", clock="passes")
+        buckets = build_backend(dataclasses.replace(cfg, engine=simulated), workload,
+                                memory_spec(cfg)).buckets  # fmt: skip
         for p in range(rec.num_passes):
             plan = Plan(rec.req[p], rec.num_tokens[p], rec.start_pos[p], np.int32(rec.kind[p]),
                         np.float32(0), np.zeros((rec.num_slots, 0), np.int32))  # fmt: skip

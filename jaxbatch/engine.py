@@ -34,8 +34,9 @@ import numpy as np
 from jax import Array
 from tqdm.auto import tqdm
 
-from jaxbatch.backend.buckets import PassShape, decode_fits
+from jaxbatch.backend.buckets import Buckets, PassShape, decode_fits
 from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.backend.simulator import Simulator
 from jaxbatch.clock import Clock
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import Record, Recorder
@@ -138,32 +139,20 @@ def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]
 PLANNED_PASSES = 5_000
 
 
-class ShapeLog:
-    """A backend that runs nothing: it logs the shape of every pass the loop asks it for (those
-    dispatched ahead included), in order of first use, and draws token 0 everywhere."""
+class ShapeLog(Simulator):
+    """The simulator on `buckets` (it runs nothing and draws token 0), logging the shape of every
+    pass the loop asks it for (those dispatched ahead included), in order of first use."""
 
-    def __init__(self, buckets, num_slots: int):
+    def __init__(self, buckets: Buckets):
+        super().__init__(buckets.num_slots, buckets.max_len)
         self.buckets, self.shapes = buckets, {}
-        self._tokens = jnp.zeros(num_slots, jnp.int32)
-
-    def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None:
-        pass
 
     def execute(self, plan: Plan, shape: PassShape, on_device: Plan | None = None):
         return self.decode(plan, shape)
 
     def decode(self, plan: Plan, shape: PassShape):
         self.shapes.setdefault(shape, None)
-        return self._tokens, None
-
-    def outputs(self, num_generated: np.ndarray) -> None:
-        return None
-
-    def carry(self) -> tuple:
-        return ()
-
-    def keep(self, carry: tuple) -> None:
-        pass
+        return super().decode(plan, shape)
 
 
 def fixed_plans(state: SchedState, params: PolicyParams, clock: str = "measured") -> bool:
@@ -187,7 +176,7 @@ def planned_shapes(
     outputs alone need more decodes of every slot."""
     if int(np.asarray(state.max_new).sum()) > max_passes * state.num_slots:
         return None
-    log, calls = ShapeLog(buckets, state.num_slots), itertools.count()
+    log, calls = ShapeLog(buckets), itertools.count()
     stop = lambda: next(calls) >= max_passes  # noqa: E731
     dry = run(policy, params, state, log, [], "passes", arrival=arrival, stop=stop)
     done = np.isin(dry.final.status, (FINISHED, REJECTED)).all()

@@ -178,24 +178,19 @@ def model_params(cfg: Config) -> dict:
         raise ConfigError("model.path", cfg.model.path, str(err)) from None
 
 
-def mixed_rows(cfg: Config) -> int:
-    """The most rows of a run's mixed pass: its token budget's bucket (0: a policy without)."""
-    if cfg.policy.name not in BUDGETED:
-        return 0
-    return pow2_at_least(cfg.policy.token_budget, cfg.engine.min_bucket, 1 << 30)
-
-
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
-    budget_rows = mixed_rows(cfg)
+    mixed_rows = 0  # the most rows of a mixed pass: the token budget's bucket
+    if cfg.policy.name in BUDGETED:
+        mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
-        return Simulator(e.num_slots, spec.max_len, e.min_bucket, budget_rows, spec, priced,
+        return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced,
                          min_read(spec.max_len, memory.paged))  # fmt: skip
     return Runner(
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
-        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, budget_rows,
+        Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
         make_mesh(cfg.mesh.data, cfg.mesh.model) if cfg.mesh.data * cfg.mesh.model > 1 else None,
     )  # fmt: skip
 

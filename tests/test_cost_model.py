@@ -24,7 +24,7 @@ from jaxbatch.calibrate import _terms, fit, predict, shapes
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, HardwareConfig, ModelConfig, validate
 from jaxbatch.model.spec import ModelSpec
-from jaxbatch.run import hardware, memory_spec, simulate
+from jaxbatch.run import build_backend, hardware, memory_spec, simulate
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from tests.conftest import make_config, make_workload
 
@@ -207,6 +207,33 @@ def test_a_priced_run_charges_each_pass_its_price():
     np.testing.assert_allclose(rec.duration, want, rtol=1e-6)
     np.testing.assert_allclose(rec.start[1:], np.cumsum(want)[:-1], rtol=1e-6)
     assert priced.duration_s == pytest.approx(sum(want), rel=1e-6)
+
+
+def test_a_padded_entry_charges_each_pass_the_runners_shape_and_its_kinds_overhead():
+    """A simulated chunked run priced on a padded entry (as `cpu_local` is): every pass costs
+    its price at the runner's shape (`runner_shape` on the run's buckets, the runner's context
+    floor included) plus its kind's overhead."""
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="priced")
+    cfg.policy.token_budget = 64
+    cfg.hardware = dataclasses.replace(_preset("hardware", "h100_sxm", HardwareConfig),
+                                       padded=True, pass_overhead_us=5.0,
+                                       prefill_overhead_us=7.0, mixed_overhead_us=11.0)  # fmt: skip
+    w = make_workload([40, 7, 90, 12], [5, 9, 4, 6])
+    rec = simulate(cfg, w).record
+    spec, hw = cfg.model.spec(), hardware(cfg)
+    buckets = build_backend(cfg, w, memory_spec(cfg)).buckets
+    assert buckets.min_context == 64 and set(rec.kind) == {DECODE, MIXED}
+    for p in range(rec.num_passes):
+        plan = Plan(rec.req[p], rec.num_tokens[p], rec.start_pos[p], np.int32(rec.kind[p]),
+                    np.float32(0), None)  # fmt: skip
+        shape = runner_shape(buckets, plan, np)
+        assert int(shape.context) == rec.context[p] >= 64
+        work = pass_work(spec, plan.num_tokens, plan.start_pos, plan.num_tokens > 0, 1, shape)
+        want = sum(np.maximum(np.asarray(f) / (hw.peak_flops * 0.7),
+                              np.asarray(b) / (hw.memory_bandwidth * 0.9)).sum()
+                   for f, b in work.values())  # fmt: skip
+        want += (5.0 + (11.0 if rec.kind[p] == MIXED else 0.0)) * 1e-6
+        assert rec.duration[p] == pytest.approx(want, rel=1e-5), p
 
 
 def test_calibration_recovers_the_efficiencies_that_made_the_times():
