@@ -19,8 +19,10 @@ runs) the host times the whole loop and each pass is given the mean.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -299,42 +301,95 @@ def _narrow(lanes: np.ndarray, done: np.ndarray, floor: int):
     return np.concatenate([running, np.full(floor - len(running), spare)]).astype(np.int32)
 
 
+def sweep_groups(m: int) -> int:
+    """How many groups `run_sweep` splits m members into, each stepped by its own host thread.
+    On the CPU one per core (no group under MIN_LANES members): XLA:CPU runs a vmapped step's
+    small operations one after another on about one core, so a second group on a second thread
+    runs beside it (two 32-member halves of a loop took 7.1-8.0 ms in two threads against
+    12.8-13.1 ms one after the other, 2 cores). On an accelerator one: its kernels already use it
+    whole."""
+    if jax.default_backend() != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, m // MIN_LANES))
+
+
 def run_sweep(
     policy: Policy, params: list[PolicyParams], states: list[SchedState],
-    backends: list[Simulator], max_passes: int,
+    backends: list[Simulator], max_passes: int, groups: int | None = None,
 ) -> list[RunResult]:  # fmt: skip
     """Simulated runs of one program (the same policy, shapes and static backend; their
     workloads, traced params and backend consts differ) as one compiled, vmapped device loop;
     returns each member's result, as `run_device` would (tested field for field). Members keep
-    a plain float32 clock (a microsecond up to 8 s). Members step together, so the sweep costs
-    its longest member's passes times its width: once no more than half of its members are still
-    running, the host narrows it to them (`_widths`; an ended member's state is kept), so a sweep
-    of members of very different lengths does not step its ended ones to the end. Compilation
-    (one program per width, all before the clock starts) counts as every member's warm-up, the
-    loop's wall time as every member's. The device keeps a record buffer of SWEEP_BYTES for all
-    members; the host drains it whenever a member fills its share, and at each narrowing."""
+    a plain float32 clock (a microsecond up to 8 s). The members are split into `groups`
+    (default `sweep_groups`), each a vmapped loop stepped by its own host thread. A group's
+    members step together, so it costs its longest member's passes times its width: once no
+    more than half of them are still running, the host narrows it to them (`_widths`; an ended
+    member's state is kept), so a sweep of members of very different lengths does not step its
+    ended ones to the end. Compilation (one program per width, all before the clock starts)
+    counts as every member's warm-up, the loop's wall time as every member's. The device keeps
+    a record buffer of SWEEP_BYTES for all members; the host drains a group's whenever one of
+    its members fills its share, and at each narrowing."""
     m, b = len(states), states[0].num_slots
     size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
-    pstack, consts = stack(params), stack([b.consts() for b in backends])
+    split = np.array_split(np.arange(m), max(1, min(groups or sweep_groups(m), m)))
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    carry = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))(stack(states))
+    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
+    trees = [
+        (stack([params[i] for i in g]), stack([backends[i].consts() for i in g]),
+         start(stack([states[i] for i in g])))
+        for g in split
+    ]  # fmt: skip
     segment = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
-    # Every width's program and the gather that narrows to the next, compiled, then run once
-    # each on a copy of the start (XLA's first run of a program costs far more than later ones).
-    widths, programs, gathers = _widths(m), {}, {}
     take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
-    tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))((pstack, consts, carry))
+    programs, gathers = {}, {}
+    for tree in trees:  # each width once: groups of one size share their programs
+        _compile_widths(segment, take, tree, programs, gathers)
+    warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
+    lanes = partial(_step_lanes, programs, gathers, max_passes)
+    with ThreadPoolExecutor(len(trees)) as pool:
+        done = list(pool.map(lanes, trees))
+    wall_s = time.perf_counter() - t0
+    counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
+              cache_hits() - hits0, wall_s)  # fmt: skip
+    results = []
+    for drained, finals in done:
+        for member, final in zip(drained, finals):
+            if ((final.status != FINISHED) & (final.status != REJECTED)).any():
+                raise RuntimeError(f"sweep member {len(results)} did not end within "
+                                   f"max_passes={max_passes}")  # fmt: skip
+            cols = {k: np.concatenate([d[k] for d in member]) for k in member[0]}
+            results.append(_result(cols, final, backend, None, counts))
+    return results
+
+
+def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
+    """Every width's program a group of `tree`'s width steps at, and the gather that narrows
+    it to the next, compiled (those not in `programs` and `gathers` yet) and run once each on a
+    copy of the group's start: XLA's first run of a program costs far more than later ones."""
+    tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
+    widths = _widths(len(tree[2][2]))
     for w, to in zip(widths, widths[1:] + [0]):
         spec = jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype), tree)
-        programs[w] = segment.lower(*spec, jnp.int32(0), jnp.int32(0)).compile()
-        tree = (*tree[:2], programs[w](*tree, jnp.int32(0), jnp.int32(1)))
-        if to:
-            gathers[w] = take.lower(spec, np.zeros(to, np.int32)).compile()
-            tree = gathers[w](tree, np.arange(to, dtype=np.int32))
+        if w not in programs:
+            programs[w] = segment.lower(*spec, jnp.int32(0), jnp.int32(0)).compile()
+            tree = (*tree[:2], programs[w](*tree, jnp.int32(0), jnp.int32(1)))
+        if to and (w, to) not in gathers:
+            gathers[w, to] = take.lower(spec, np.zeros(to, np.int32)).compile()
+            tree = gathers[w, to](tree, np.arange(to, dtype=np.int32))
+        elif to:
+            tree = jax.tree.map(lambda x, to=to: x[:to], tree)
     jax.block_until_ready(tree)
-    warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
+
+
+def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
+    """One group stepped to its end (a host thread's work in `run_sweep`): segments of its
+    width's program, the record drained after each, narrowed once no more than the next width's
+    members are running. Returns each member's drained records and final state."""
+    pstack, consts, carry = tree
+    m = len(carry[2])
     drained: list[list[dict]] = [[] for _ in range(m)]
     finals: list[SchedState | None] = [None] * m
     lanes = np.arange(m)  # each lane's member; -1: a spare lane (a copy of an ended one)
@@ -360,16 +415,7 @@ def run_sweep(
         idx = _narrow(lanes, done, floor)
         if idx is not None:
             keep_finals(jax.device_get(carry[0]), np.flatnonzero(done & ours))
-            pstack, consts, carry = gathers[len(lanes)]((pstack, consts, carry), idx)
+            pstack, consts, carry = gathers[len(lanes), floor]((pstack, consts, carry), idx)
             lanes = np.where(np.arange(len(idx)) < (~done & ours).sum(), lanes[idx], -1)
-    wall_s = time.perf_counter() - t0
     keep_finals(jax.device_get(carry[0]), np.flatnonzero(lanes >= 0))
-    counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
-              cache_hits() - hits0, wall_s)  # fmt: skip
-    results = []
-    for i, member in enumerate(finals):
-        if ((member.status != FINISHED) & (member.status != REJECTED)).any():
-            raise RuntimeError(f"sweep member {i} did not end within max_passes={max_passes}")
-        cols = {k: np.concatenate([d[k] for d in drained[i]]) for k in drained[i][0]}
-        results.append(_result(cols, member, backend, None, counts))
-    return results
+    return drained, finals

@@ -66,11 +66,20 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
     np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
 
 
-@pytest.mark.parametrize("min_lanes", [8, 1])  # 3 members at once; narrowed to 1 once 1 runs
-@pytest.mark.parametrize("sweep_bytes", [1 << 28, 1])  # one segment; drained every 16 passes
-def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes, min_lanes):
+# sweep_bytes: one segment, or drained every 16 passes; min_lanes 8: 3 members at once, 1: narrowed
+# to 1 once 1 runs; groups 2: members 0 and 1 on one thread, 2 on another. Expected: the lanes
+# each narrowing kept (of the slowest arrivals' member).
+@pytest.mark.parametrize(
+    "sweep_bytes, min_lanes, groups, kept",
+    [(1 << 28, 8, 1, []), (1, 8, 1, []), (1 << 28, 1, 1, [[2]]), (1, 1, 1, [[2]]),
+     (1, 1, 2, [[1]]), (1 << 28, 8, 2, [])],
+)  # fmt: skip
+def test_vmapped_members_equal_the_same_runs_one_by_one(
+    monkeypatch, sweep_bytes, min_lanes, groups, kept
+):
     """Three arrival processes (a rate sweep) as one program (`run_sweep`), field for field,
-    also when the sweep narrows to its last running member."""
+    also when the sweep narrows to its last running member, and in groups of members stepped
+    by their own threads."""
     monkeypatch.setattr(loop_module, "SWEEP_BYTES", sweep_bytes)
     monkeypatch.setattr(loop_module, "MIN_LANES", min_lanes)
     narrowed, narrow = [], loop_module._narrow  # what each call of `_narrow` kept
@@ -86,7 +95,7 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes
 
     states = [state(s) for s in (0.1, 1.0, 4.0)]
     sim = Simulator(3, 256)  # the passes clock
-    together = run_sweep(policy, [params] * 3, states, [sim] * 3, 512)
+    together = run_sweep(policy, [params] * 3, states, [sim] * 3, 512, groups)
     assert max(r.record.num_passes for r in together) > 2 * 16
     for st, member in zip(states, together, strict=True):
         alone = run_device(policy, params, st, sim, 512)
@@ -97,8 +106,7 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(monkeypatch, sweep_bytes
                 getattr(alone.record, field), getattr(member.record, field), err_msg=field
             )
     assert len({r.record.num_passes for r in together}) == 3  # really different runs
-    kept = [list(k) for k in narrowed if k is not None]
-    assert kept == ([] if min_lanes == 8 else [[2]])  # the slowest arrivals' member, alone
+    assert [list(k) for k in narrowed if k is not None] == kept
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
