@@ -1,6 +1,7 @@
 """Simulated passes per second: the host loop, the device loop, and sweeps of `--members` runs (over
 arrival rates, and over workload seeds) as one vmapped device loop against the same runs one after
-another (the target: 10x).
+another (the target: 10x). A sweep runs its members in `device_loop.sweep_groups` groups, one
+host thread each (on this CPU, one per core); it is also timed as one group, for comparison.
 Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
 16..256) per run, Llama-3 8B priced on one H100. Compilation is excluded from every figure and
 printed apart. Asserts nothing.
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 
 from jaxbatch.calibrate import HARDWARE_DIR
 from jaxbatch.config import HardwareConfig, LengthConfig, ModelConfig
-from jaxbatch.device_loop import run_device, run_sweep
+from jaxbatch.device_loop import run_device, run_sweep, sweep_groups
 from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
@@ -70,18 +71,22 @@ def main() -> None:
         fed = max(int(np.asarray(st.prompt_len).sum() + np.asarray(st.max_new).sum())
                   for st in states) + 16  # fmt: skip
         alone = [run_device(policy, params, st, backend, fed) for st in states]
-        together = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed)
+        groups = sweep_groups(args.members)
+        together = run_sweep(policy, [params] * args.members, states, [backend] * args.members,
+                             fed, groups)  # fmt: skip
+        one = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed, 1)
         counts = [r.record.num_passes for r in alone]
         passes = sum(counts)
         assert passes == sum(r.record.num_passes for r in together)
         sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s
         compile_s = sum(r.warmup_s for r in alone)
         print(f"{args.members} members over {name}, {passes} passes in all (the longest member "
-              f"{max(counts) / np.mean(counts):.2f}x the mean: members step together until it "
-              f"ends): one by one {sequential:.2f} s ({passes / sequential:,.0f} passes/s; "
-              f"compiles {compile_s:.1f} s apart), vmapped {vmapped:.2f} s "
-              f"({passes / vmapped:,.0f} passes/s; compile {together[0].warmup_s:.1f} s apart): "
-              f"{sequential / vmapped:.1f}x")  # fmt: skip
+              f"{max(counts) / np.mean(counts):.2f}x the mean: a group's members step together "
+              f"until its longest ends): one by one {sequential:.2f} s "
+              f"({passes / sequential:,.0f} passes/s; compiles {compile_s:.1f} s apart), vmapped "
+              f"in {groups} group(s) {vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
+              f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x; as one group "
+              f"{one[0].wall_s:.2f} s: {sequential / one[0].wall_s:.1f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
