@@ -38,7 +38,7 @@ def main() -> None:
     hardware = HardwareConfig(**entry)
     print(f"cpu_local: compute efficiency {hardware.compute_efficiency}, memory efficiency "
           f"{hardware.memory_efficiency}, attention efficiency {hardware.attention_efficiency}, "
-          f"padded {hardware.padded}, overhead {hardware.pass_overhead_us} us (prefill "
+          f"overlap {hardware.overlap}, padded {hardware.padded}, overhead {hardware.pass_overhead_us} us (prefill "
           f"{hardware.prefill_overhead_us:+} us, mixed {hardware.mixed_overhead_us:+} us)")  # fmt: skip
     print(f"{'policy':>11} {'real tok/s':>11} {'sim tok/s':>10} {'ratio':>6}   "
           f"{'real TPOT ms':>12} {'sim TPOT ms':>11} {'ratio':>6}")  # fmt: skip

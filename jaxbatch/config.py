@@ -196,6 +196,9 @@ class HardwareConfig:
     # ahead of its plan, a prompt pass only once its plan is known). Calibration measures them.
     prefill_overhead_us: float = 0.0
     mixed_overhead_us: float = 0.0
+    # The share of an operation's shorter time (compute or memory) hidden behind the longer: 1,
+    # the roofline's max (presets); 0, their sum (one CPU core streams and computes in turn).
+    overlap: float = 1.0
     tensor_parallel: int = 1  # devices a model is split over (Megatron-style)
 
 
@@ -452,6 +455,12 @@ def _hardware(cfg: Config) -> None:
     for name in ("peak_tflops", "memory_gb_s", "memory_gb", "link_gb_s", "compute_efficiency",
                  "memory_efficiency", "attention_efficiency", "tensor_parallel"):  # fmt: skip
         _positive(f"hardware.{name}", getattr(h, name))
+    if not 0.0 <= h.overlap <= 1.0:
+        raise ConfigError(
+            "hardware.overlap", h.overlap,
+            "must be in [0, 1]: the share of an operation's shorter time (compute or memory) that "
+            "the longer hides (1: the roofline's max, 0: their sum)",
+        )  # fmt: skip
     extras = {"pass": 0.0, "prefill": h.prefill_overhead_us, "mixed": h.mixed_overhead_us}
     for kind, extra in extras.items():  # each kind's whole overhead is a time: never below 0
         if h.pass_overhead_us + extra < 0:

@@ -52,6 +52,7 @@ def hardware(cfg: Config) -> Hardware | None:
         h.name, h.peak_tflops * 1e12, h.memory_gb_s * 1e9, h.memory_gb * 1e9, h.link_gb_s * 1e9,
         h.compute_efficiency, h.memory_efficiency, h.pass_overhead_us * 1e-6,
         h.attention_efficiency, h.padded, h.prefill_overhead_us * 1e-6, h.mixed_overhead_us * 1e-6,
+        h.overlap,
     )  # fmt: skip
 
 

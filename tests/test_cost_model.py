@@ -141,6 +141,17 @@ def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
     for kind, extra in ((PREFILL, 0.5), (MIXED, 0.75), (DECODE, 0.0), (None, 0.0)):
         got = float(price(SMALL, kinded, n, s, fed, kind=kind))
         assert got == pytest.approx(want + extra, rel=1e-6), kind
+    # Overlap 0: each operation costs its compute time plus its memory time; 0.5: the longer
+    # plus half the shorter.
+    for overlap in (0.0, 0.5):
+        serial = dataclasses.replace(hw, overlap=overlap)
+        summed = 0.25 + sum(
+            ((c := np.asarray(f) / 500.0) + (m := np.asarray(b) / 50.0)
+             - overlap * np.minimum(c, m)).sum()
+            for f, b in pass_work(SMALL, n, s, fed).values()
+        )  # fmt: skip
+        assert summed > want
+        assert float(price(SMALL, serial, n, s, fed)) == pytest.approx(summed, rel=1e-6)
 
 
 def test_llama2_7b_on_an_h100_against_the_roofline():
@@ -178,12 +189,16 @@ def test_llama2_7b_on_an_h100_against_the_roofline():
         ({"overheads": (100.0, -200.0)},
          "hardware.mixed_overhead_us=-200.0 is not valid: a mixed pass's overhead "
          "(pass_overhead_us + mixed_overhead_us) must be >= 0"),
+        ({"overlap": 1.5},
+         "hardware.overlap=1.5 is not valid: must be in [0, 1]: the share of an operation's "
+         "shorter time (compute or memory) that the longer hides"),
     ],
 )  # fmt: skip
 def test_bad_hardware_is_refused_naming_the_field(change, message):
     cfg = _with(change.get("model", "llama2_7b"), change.get("hw", "h100_sxm"), change.get("tp", 1))
     cfg.hardware.name = change.get("hardware", cfg.hardware.name)
     cfg.hardware.pass_overhead_us, cfg.hardware.mixed_overhead_us = change.get("overheads", (0, 0))
+    cfg.hardware.overlap = change.get("overlap", 1.0)
     with pytest.raises(ConfigError) as err:
         validate(cfg)
         memory_spec(cfg)
@@ -236,7 +251,8 @@ def test_a_padded_entry_charges_each_pass_the_runners_shape_and_its_kinds_overhe
         assert rec.duration[p] == pytest.approx(want, rel=1e-5), p
 
 
-def test_calibration_recovers_the_efficiencies_that_made_the_times():
+@pytest.mark.parametrize("overlap", [0.0, 0.75, 1.0])
+def test_calibration_recovers_the_efficiencies_that_made_the_times(overlap):
     spec = ModelConfig().spec()
     plans = [(slots, plan) for _, slots, plan in shapes()]
     terms = [
@@ -248,10 +264,10 @@ def test_calibration_recovers_the_efficiencies_that_made_the_times():
     grid, attention_grid = np.geomspace(0.002, 1.0, 120), np.geomspace(0.02, 2.0, 120)
     # Times from a known entry, on the fit's grids: a decode's overhead, each other kind's more.
     ce, me, ae, overheads = grid[70], grid[100], attention_grid[40], (2e-4, 3e-4, 1e-3)
-    times = predict(terms, kinds, 20e9, 100e9, ce, me, ae, *overheads)
+    times = predict(terms, kinds, 20e9, 100e9, ce, me, ae, overlap, *overheads)
     got = fit(terms, times, kinds, 20e9, 100e9)
-    assert got[:3] == (pytest.approx(ce), pytest.approx(me), pytest.approx(ae))
-    assert got[3:] == tuple(pytest.approx(x, rel=1e-6) for x in overheads)
+    assert got[:4] == (pytest.approx(ce), pytest.approx(me), pytest.approx(ae), overlap)
+    assert got[4:] == tuple(pytest.approx(x, rel=1e-6) for x in overheads)
     np.testing.assert_allclose(predict(terms, kinds, 20e9, 100e9, *got), times, rtol=1e-6)
 
 

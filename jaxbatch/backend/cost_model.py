@@ -1,15 +1,17 @@
 """A pass's time from its work, for hardware and model sizes this machine lacks.
 
 A pass is priced as the sum over its operations of max(FLOPs / (peak x compute efficiency),
-bytes / (bandwidth x memory efficiency)) (attention's rates further scaled by its own efficiency),
-plus a fixed per-pass overhead (a prefill's and a mixed pass's each their own, where the hardware
-entry says so) and, with tensor parallelism, the all-reduce of each layer's two partial sums. The
-operations: per layer the QKV, output and MLP matmuls (every fed token), and attention per request,
-from its own query and context lengths (never a batch mean); then the LM head on the sampled rows.
-Weights are read once a pass. A `padded` entry (this machine's, fitted by calibration) prices
-instead what the runner computes: every operation at the pass's bucketed shape (`runner_shape`).
-Everything is jnp on per-slot arrays, so it prices plans inside jitted code and under vmap as well
-as on the host. Never touch weights here: a ModelSpec and a Hardware entry are all it reads.
+bytes / (bandwidth x memory efficiency)) (attention's rates further scaled by its own efficiency;
+with an entry's `overlap` below 1, plus the share of the shorter of the two that the longer does
+not hide: `op_time`), plus a fixed per-pass overhead (a prefill's and a mixed pass's each their
+own, where the hardware entry says so) and, with tensor parallelism, the all-reduce of each
+layer's two partial sums. The operations: per layer the QKV, output and MLP matmuls (every fed
+token), and attention per request, from its own query and context lengths (never a batch mean);
+then the LM head on the sampled rows. Weights are read once a pass. A `padded` entry (this
+machine's, fitted by calibration) prices instead what the runner computes: every operation at the
+pass's bucketed shape (`runner_shape`). Everything is jnp on per-slot arrays, so it prices plans
+inside jitted code and under vmap as well as on the host. Never touch weights here: a ModelSpec
+and a Hardware entry are all it reads.
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ class Hardware:
     padded: bool = False
     prefill_overhead_s: float = 0.0  # added to a prefill pass's overhead
     mixed_overhead_s: float = 0.0  # added to a mixed pass's overhead
+    # The share of an operation's shorter time (compute or memory) that the longer hides: 1, the
+    # roofline's max (an accelerator streams while it computes); 0, their sum.
+    overlap: float = 1.0
+
+
+def op_time(compute_s, memory_s, overlap=1.0, xp=jnp):
+    """An operation's time from its compute and memory times: the longer, plus the part of the
+    shorter it does not hide (`Hardware.overlap`); numpy or jnp (`xp`)."""
+    longer = xp.maximum(compute_s, memory_s)
+    return longer + (1.0 - overlap) * (compute_s + memory_s - longer)
 
 
 def _itemsize(dtype: str) -> int:
@@ -173,7 +185,7 @@ def price(
     work = pass_work(spec, num_tokens, start_pos, sampled, tp, padded if hw.padded else None)
     for op, (flops, nbytes) in work.items():
         scale = hw.attention_efficiency if op == "attention" else 1.0
-        total = total + jnp.maximum(flops / compute, nbytes / memory).sum() / scale
+        total = total + op_time(flops / compute, nbytes / memory, hw.overlap).sum() / scale
     if tp > 1:  # ring all-reduce of the attention and MLP outputs, every layer
         tokens = jnp.asarray(num_tokens, jnp.float32).sum()
         moved = 2 * (tp - 1) / tp * tokens * spec.d_model * _itemsize(spec.dtype)
