@@ -6,15 +6,16 @@ as a run has them; prefill: prompts x tokens; mixed: decodes plus a prompt chunk
 budget) in interleaved rounds, prices each pass's work with `cost_model.pass_work` at the runner's
 padded shape (the entry's `padded`: matmuls on every row of the pass's bucket, attention over each
 row's context bucket, `cost_model.runner_shape`), and fits the entry's compute, memory and
-attention efficiencies, the share of an operation's shorter time (compute or memory) that the longer
-hides (`overlap`), and an overhead per pass kind to the times by least squares on the relative
-error. It prints the fit's error per shape, holding out every fourth shape (the fit written), and
-the median error with every shape held out once (4 folds). A pass in a run also costs the host
-loop's own work (schedule, commit, one sync), which a pass timed alone does not, and more for a
-pass that feeds prompt tokens (the loop dispatches a decode ahead of its plan, never a prompt
-pass): the overheads written, one per pass kind, are medians over that kind's passes in real runs
-(continuous and chunked) of each pass's measured time less its priced work (`run_overheads`). It
-writes configs/hardware/cpu_local.yaml.
+attention efficiencies, the share of an operation's shorter time (compute or memory) that the
+longer hides (`overlap`), and an overhead per pass kind to the times by least squares on the
+relative error. The entry written is the fit to every shape; it prints each shape's error under
+it and under the fit that did not see the shape (4 folds, each every fourth shape), and the
+medians: with every shape held out once, and with fold 3 alone held out. A pass in a run also
+costs the host loop's own work (schedule, commit, one sync), which a pass timed alone does not,
+and more for a pass that feeds prompt tokens (the loop dispatches a decode ahead of its plan,
+never a prompt pass): the overheads written, one per pass kind, are medians over that kind's
+passes in real runs (continuous and chunked) of each pass's measured time less its priced work
+(`run_overheads`). It writes configs/hardware/cpu_local.yaml.
 """
 
 from __future__ import annotations
@@ -227,35 +228,36 @@ def main(argv: list[str] | None = None) -> None:
     terms = [_terms(spec, plan, padded) for _, plan, padded, _ in timed]
     times = np.array([t for *_, t in timed])
     kinds = np.array([int(plan.kind) for _, plan, _, _ in timed])
-    folds = np.arange(len(timed)) % 4  # every fourth shape held out; fold 3 fits the entry
+    folds = np.arange(len(timed)) % 4  # fold k: every fourth shape from the k-th
 
-    def held_out(k):  # the fit without fold k, and its error on every shape
+    def held_out(k):  # each shape's error under the fit without fold k
         keep = folds != k
         got = fit([t for t, f in zip(terms, keep) if f], times[keep], kinds[keep], bandwidth,
                   peak)  # fmt: skip
-        return got, predict(terms, kinds, bandwidth, peak, *got) / times - 1
+        return predict(terms, kinds, bandwidth, peak, *got) / times - 1
 
-    fits = [held_out(k) for k in range(4)]
-    cross = sum(np.where(folds == k, e, 0.0) for k, (_, e) in enumerate(fits))  # all held out
-    (ce, me, ae, overlap, *overheads), err = fits[3]
-    held = folds == 3
+    # Each shape's error under the fit that did not see it (4 folds), and that of fold 3 alone.
+    cross = sum(np.where(folds == k, held_out(k), 0.0) for k in range(4))
+    fourth = np.median(np.abs(cross[folds == 3]))
+    ce, me, ae, overlap, *overheads = fit(terms, times, kinds, bandwidth, peak)  # the entry
+    err = predict(terms, kinds, bandwidth, peak, ce, me, ae, overlap, *overheads) / times - 1
     print(
-        f"fit: compute efficiency {ce:.3f}, memory efficiency {me:.3f}, attention efficiency "
-        f"{ae:.3f}, overlap {overlap:g}, overhead {_us(overheads)}"
+        f"fit to every shape (written): compute efficiency {ce:.3f}, memory efficiency {me:.3f}, "
+        f"attention efficiency {ae:.3f}, overlap {overlap:g}, overhead {_us(overheads)}"
     )
-    for (label, _, _, t), e, h in zip(timed, err, held):
-        print(f"  {label:<40}{1e3 * t:9.2f} ms  priced {1e3 * t * (1 + e):9.2f} ms  {e:+7.1%}"
-              f"{'  (held out)' if h else ''}")  # fmt: skip
-    print(f"median |error|: fitted shapes {np.median(np.abs(err[~held])):.1%}, held-out shapes "
-          f"{np.median(np.abs(err[held])):.1%}; every shape held out once (4 folds) "
-          f"{np.median(np.abs(cross)):.1%}")  # fmt: skip
+    print(f"  {'shape':<40}{'measured':>12}{'priced':>12}{'error':>8}{'held out':>10}")
+    for (label, _, _, t), e, c in zip(timed, err, cross):
+        print(f"  {label:<40}{1e3 * t:9.2f} ms{1e3 * t * (1 + e):9.2f} ms{e:+8.1%}{c:+10.1%}")
+    held = np.median(np.abs(cross))
+    print(f"median |error|: the written fit {np.median(np.abs(err)):.1%}; held out, every shape "
+          f"once (4 folds) {held:.1%}, every fourth shape (fold 3 only) {fourth:.1%}")  # fmt: skip
     overhead, prefill, mixed = run_overheads(spec, bandwidth, peak, ce, me, ae, overlap)
     print(f"overhead in real runs (host loop): {_us((overhead, prefill, mixed))}; written")
     memory_gb = _memory_gb()
     args.out.write_text(
         "# This machine, fitted by `jaxbatch-calibrate` to the tiny model's passes on the runner\n"
-        f"# (float32, {jax.default_backend()}). Held-out median error "
-        f"{np.median(np.abs(err[held])):.1%} (4 folds: {np.median(np.abs(cross)):.1%}).\n"
+        f"# (float32, {jax.default_backend()}). Median error {np.median(np.abs(err)):.1%}; held "
+        f"out, every shape once (4 folds) {held:.1%}, every fourth shape {fourth:.1%}.\n"
         f"name: cpu_local\npeak_tflops: {peak / 1e12:.6f}\nmemory_gb_s: {bandwidth / 1e9:.3f}\n"
         f"memory_gb: {memory_gb:.1f}\nlink_gb_s: 1.0  # one device: no all-reduce\n"
         f"compute_efficiency: {ce:.4f}\nmemory_efficiency: {me:.4f}\n"
