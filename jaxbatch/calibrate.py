@@ -182,23 +182,23 @@ def fit(terms: list[tuple[np.ndarray, np.ndarray]], times: np.ndarray, kinds: np
     at_flops, at_bytes = _padded([a for _, a in terms])
     best = (np.inf, 1.0, 1.0, 1.0, 1.0, np.zeros(len(KINDS)))
     grid = np.geomspace(0.002, 1.0, 120)
-    attention_grid = np.geomspace(0.02, 2.0, 120)[:, None]
+    memory = bandwidth * grid[:, None, None]  # every memory efficiency at once: [me, 1, 1]
+    attention_grid = np.geomspace(0.02, 2.0, 120)[:, None]  # [ae, 1]
     w = 1 / times**2  # relative error: each pass weighs alike
     groups = np.stack([kinds == k for k in KINDS]).astype(np.float64)  # [kinds, passes]
     for overlap in OVERLAPS:
         for ce in grid:
-            for me in grid:
-                c, m = peak * ce, bandwidth * me
-                matmul = op_time(mm_flops / c, mm_bytes / m, overlap, np).sum(1)
-                attention = op_time(at_flops / c, at_bytes / m, overlap, np).sum(1)
-                base = matmul + attention / attention_grid
-                # Each kind's overhead in closed form: its passes' weighted mean residual.
-                overhead = ((times - base) * w) @ groups.T / np.maximum((groups * w).sum(1), 1e-30)
-                overhead = np.maximum(0.0, overhead)  # [attention efficiencies, kinds]
-                loss = (((base + overhead @ groups) / times - 1) ** 2).sum(1)
-                i = int(np.argmin(loss))
-                if loss[i] < best[0]:
-                    best = (loss[i], ce, me, attention_grid[i, 0], overlap, overhead[i])
+            c = peak * ce
+            matmul = op_time(mm_flops / c, mm_bytes / memory, overlap, np).sum(2)  # [me, P]
+            attention = op_time(at_flops / c, at_bytes / memory, overlap, np).sum(2)
+            base = matmul[:, None] + attention[:, None] / attention_grid  # [me, ae, P]
+            # Each kind's overhead in closed form: its passes' weighted mean residual.
+            overhead = ((times - base) * w) @ groups.T / np.maximum((groups * w).sum(1), 1e-30)
+            overhead = np.maximum(0.0, overhead)  # [me, ae, kinds]
+            loss = (((base + overhead @ groups) / times - 1) ** 2).sum(2)
+            i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
+            if loss[i, j] < best[0]:
+                best = (loss[i, j], ce, grid[i], attention_grid[j, 0], overlap, overhead[i, j])
     _, ce, me, ae, overlap, (decode, prefill, mixed) = best
     return tuple(float(x) for x in (ce, me, ae, overlap, decode, prefill - decode, mixed - decode))
 
