@@ -2,7 +2,9 @@
 against real runs of the same configs, side by side: output throughput and p50 TPOT per policy, and
 their ratios (the target: within 15%). The tiny model, 64 offline requests with prompts and outputs
 uniform in 16..128, 16 slots; orca and chunked take 512 tokens a pass. Real figures are medians of
-`--repeats` runs. Asserts nothing.
+`--repeats` runs. It first reads the machine as calibration does (`calibrate.machine`) and prints
+that beside the entry's figures: on a shared VM whose speed drifts, a ratio off by as much as the
+machine moved since the calibration says so. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 from common import config, median
 from omegaconf import OmegaConf
 
-from jaxbatch.calibrate import HARDWARE_DIR
+from jaxbatch.calibrate import HARDWARE_DIR, machine
 from jaxbatch.config import HardwareConfig, LengthConfig
 from jaxbatch.report.metrics import summarize
 from jaxbatch.run import memory_spec, simulate
@@ -40,6 +42,11 @@ def main() -> None:
           f"{hardware.memory_efficiency}, attention efficiency {hardware.attention_efficiency}, "
           f"overlap {hardware.overlap}, padded {hardware.padded}, overhead {hardware.pass_overhead_us} us (prefill "
           f"{hardware.prefill_overhead_us:+} us, mixed {hardware.mixed_overhead_us:+} us)")  # fmt: skip
+    bandwidth, peak = machine()
+    print(f"machine now: read {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s "
+          f"(the entry: {hardware.memory_gb_s:.1f} GB/s, {1e3 * hardware.peak_tflops:.0f} GFLOP/s; "
+          f"now / then {bandwidth / 1e9 / hardware.memory_gb_s:.2f} and "
+          f"{peak / 1e12 / hardware.peak_tflops:.2f})")  # fmt: skip
     print(f"{'policy':>11} {'real tok/s':>11} {'sim tok/s':>10} {'ratio':>6}   "
           f"{'real TPOT ms':>12} {'sim TPOT ms':>11} {'ratio':>6}")  # fmt: skip
     for policy in args.policies.split(","):
