@@ -166,7 +166,7 @@ def _padded(terms: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 KINDS = (DECODE, PREFILL, MIXED)  # each kind's overhead is its own
 # The overlaps the fit tries. On this 2-core CPU it chose 0 (a sum) over 1 (the roofline's max)
-# on five grids timed on 2026-12-06: held-out error 4.9-18.1% against 6.3-21.4%.
+# on five grids timed on 2026-12-06: fold-3 held-out error 4.9-18.1% against 6.3-21.4%.
 OVERLAPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
