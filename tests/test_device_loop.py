@@ -67,8 +67,8 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
 
 
 # sweep_bytes: one segment, or drained every 16 passes; min_lanes 8: 3 members at once, 1: narrowed
-# to 1 once 1 runs; groups 2: members 0 and 1 on one thread, 2 on another. Expected: the lanes
-# each narrowing kept (of the slowest arrivals' member).
+# to 1 once 1 runs; groups 2: members 0 and 2 on one thread, 1 on another. Expected: the lanes
+# each narrowing kept (of the slowest arrivals' member, 2).
 @pytest.mark.parametrize(
     "sweep_bytes, min_lanes, groups, kept",
     [(1 << 28, 8, 1, []), (1, 8, 1, []), (1 << 28, 1, 1, [[2]]), (1, 1, 1, [[2]]),
