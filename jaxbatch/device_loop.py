@@ -318,22 +318,22 @@ def run_sweep(
     policy: Policy, params: list[PolicyParams], states: list[SchedState],
     backends: list[Simulator], max_passes: int, groups: int | None = None,
 ) -> list[RunResult]:  # fmt: skip
-    """Simulated runs of one program (the same policy, shapes and static backend; their
-    workloads, traced params and backend consts differ) as one compiled, vmapped device loop;
-    returns each member's result, as `run_device` would (tested field for field). Members keep
-    a plain float32 clock (a microsecond up to 8 s). The members are split into `groups`
-    (default `sweep_groups`; member i in group i % groups), each a vmapped loop stepped by its
-    own host thread. A sweep's members in order tend to differ in length smoothly (rates,
-    budgets), so each group gets its share of the long ones and the threads end together: over
-    arrival rates 4.3x and 5.2x against 3.2x and 4.0x for contiguous groups (medians of 5,
-    interleaved, 2026-12-06); over seeds within the spread. A group's
-    members step together, so it costs its longest member's passes times its width: once no
-    more than half of them are still running, the host narrows it to them (`_widths`; an ended
-    member's state is kept), so a sweep of members of very different lengths does not step its
-    ended ones to the end. Compilation (one program per width, all before the clock starts)
-    counts as every member's warm-up, the loop's wall time as every member's. The device keeps
-    a record buffer of SWEEP_BYTES for all members; the host drains a group's whenever one of
-    its members fills its share, and at each narrowing."""
+    """Simulated runs of one program (the same policy, shapes and static backend; their workloads,
+    traced params and backend consts differ) as one compiled, vmapped device loop; returns each
+    member's result, as `run_device` would (tested field for field). Members keep a plain
+    float32 clock (a microsecond up to 8 s). The members are split into `groups` (default
+    `sweep_groups`; member i in group i % groups), each a vmapped loop stepped by its own host
+    thread. A sweep's members in order tend to differ in length smoothly (rates, budgets), so
+    each group gets its share of the long ones and the threads end together: over arrival rates
+    4.3x and 5.2x against 3.2x and 4.0x for contiguous groups (medians of 5, interleaved,
+    2026-12-06); over seeds within the spread. A group's members step together, so it costs its
+    longest member's passes times its width: once no more than half of them are still running,
+    the host narrows it to them (`_widths`; an ended member's state is kept), so a sweep of
+    members of very different lengths does not step its ended ones to the end. Compilation (one
+    program per width, all before the clock starts) counts as every member's warm-up, the loop's
+    wall time as every member's. The device keeps a record buffer of SWEEP_BYTES for all
+    members; the host drains a group's whenever one of its members fills its share, and at each
+    narrowing."""
     m, b = len(states), states[0].num_slots
     size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
@@ -343,9 +343,9 @@ def run_sweep(
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
     trees = [
-        (stack([params[i] for i in g]), stack([backends[i].consts() for i in g]),
-         start(stack([states[i] for i in g])))
-        for g in split
+        (stack([params[i] for i in idx]), stack([backends[i].consts() for i in idx]),
+         start(stack([states[i] for i in idx])))
+        for idx in split
     ]  # fmt: skip
     segment = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
     take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
