@@ -3,8 +3,9 @@ against real runs of the same configs, side by side: output throughput and p50 T
 their ratios (the target: within 15%). The tiny model, 64 offline requests with prompts and outputs
 uniform in 16..128, 16 slots; orca and chunked take 512 tokens a pass. Real figures are medians of
 `--repeats` runs. It first reads the machine as calibration does (`calibrate.machine`) and prints
-that beside the entry's figures: on a shared VM whose speed drifts, a ratio off by as much as the
-machine moved since the calibration says so. Asserts nothing.
+that beside the entry's figures: a rough gauge of how far this shared VM's speed has moved since
+the calibration (once on 2026-12-06 it read 1.10x the entry's while the real runs were slower
+than just after the calibration). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> None:
     hardware = HardwareConfig(**entry)
     print(f"cpu_local: compute efficiency {hardware.compute_efficiency}, memory efficiency "
           f"{hardware.memory_efficiency}, attention efficiency {hardware.attention_efficiency}, "
-          f"overlap {hardware.overlap}, padded {hardware.padded}, overhead {hardware.pass_overhead_us} us (prefill "
+          f"overlap {hardware.overlap}, padded {hardware.padded}, overhead "
+          f"{hardware.pass_overhead_us} us (prefill "
           f"{hardware.prefill_overhead_us:+} us, mixed {hardware.mixed_overhead_us:+} us)")  # fmt: skip
     bandwidth, peak = machine()
     print(f"machine now: read {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s "
