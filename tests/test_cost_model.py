@@ -255,16 +255,20 @@ def test_a_padded_entry_charges_each_pass_the_runners_shape_and_its_kinds_overhe
 def test_calibration_recovers_the_efficiencies_that_made_the_times(overlap):
     spec = ModelConfig().spec()
     plans = [(slots, plan) for _, slots, plan in shapes()]
-    terms = [
-        _terms(spec, plan, runner_shape(Buckets(slots, spec.max_len, 16, 512, 64), plan, np))
-        for slots, plan in plans
-    ]
+    padded = [runner_shape(Buckets(slots, spec.max_len, 16, 512, 64), p, np) for slots, p in plans]
+    terms = [_terms(spec, plan, shape) for (_, plan), shape in zip(plans, padded)]
     kinds = np.array([int(plan.kind) for _, plan in plans])
     assert [(kinds == k).sum() for k in (DECODE, PREFILL, MIXED)] == [9 + 2, 9, 8]
     grid, attention_grid = np.geomspace(0.002, 1.0, 120), np.geomspace(0.02, 2.0, 120)
     # Times from a known entry, on the fit's grids: a decode's overhead, each other kind's more.
     ce, me, ae, overheads = grid[70], grid[100], attention_grid[40], (2e-4, 3e-4, 1e-3)
     times = predict(terms, kinds, 20e9, 100e9, ce, me, ae, overlap, *overheads)
+    # The fit's prices are the simulator's: `price` on that entry (padded) gives the same times.
+    hw = Hardware("fit", 100e9, 20e9, 1e9, 1.0, ce, me, overheads[0], ae, True, overheads[1],
+                  overheads[2], overlap)  # fmt: skip
+    priced = [float(price(spec, hw, p.num_tokens, p.start_pos, p.num_tokens > 0, 1, shape,
+                          p.kind)) for (_, p), shape in zip(plans, padded)]  # fmt: skip
+    np.testing.assert_allclose(priced, times, rtol=1e-5)
     got = fit(terms, times, kinds, 20e9, 100e9)
     assert got[:4] == (pytest.approx(ce), pytest.approx(me), pytest.approx(ae), overlap)
     assert got[4:] == tuple(pytest.approx(x, rel=1e-6) for x in overheads)
