@@ -75,14 +75,19 @@ def _seen(now: jax.Array) -> jax.Array:
     return jnp.where(now[1] < 0, jnp.nextafter(now[0], jnp.float32(-_INF)), now[0])
 
 
-def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int, warm,
-          window, carry):  # fmt: skip
-    """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass
-    and is recorded. A finished run (or one at max_passes) is left as it is, so members of a
-    sweep can step on together until the last ends. `warm` (warm-up): pass p runs the backend's
-    branch p, whatever the plan. With a `window` (run_device's exact clock), an idle plan whose
-    wake lies beyond it does not jump there, where float32 is coarse: it leaves the wake in the
-    carry's last field for the host, which moves the clock's origin near it."""
+def _advance(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int,
+             warm, window, carry):  # fmt: skip
+    """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass.
+    Returns the next carry (its record untouched), the pass's record row and whether it ran (an
+    idle plan, or a halted run, records nothing): `_step` writes the row at the run's pass count,
+    a sweep at its iteration (`sweep_segment`). An ended run stays as it is, so members of a
+    sweep can step on together until the last ends: its clock stays, and its state is a fixed
+    point of schedule and commit (nothing is queued, held or yet to arrive: tested for every
+    policy), so no select between whole states is needed. A run at max_passes must not be
+    stepped (both loops' conditions). `warm` (warm-up): pass p runs the backend's branch p,
+    whatever the plan. With a `window` (run_device's exact clock), an idle plan whose wake lies
+    beyond it does not jump there, where float32 is coarse: it leaves the wake in the carry's
+    last field for the host, which moves the clock's origin near it."""
     st0, bc, p, now0, done0, rec, _ = carry
     warm = jnp.asarray(warm, bool)
     halted = done0 | (p >= max_passes)
@@ -97,16 +102,23 @@ def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_pa
     kv, granted = kv_live(st, holder), kv_reserved(st)
     row = pass_row(now0[0], cost, plan, holder, (rows, row_tokens, context), kv, granted)
     row["start_lo"] = now0[1]  # the clock's low part (`_add`)
-    at = jnp.where(idle | halted, max_passes, p)  # an idle plan records nothing
-    rec = {k: rec[k].at[at].set(v, mode="drop") for k, v in row.items()}
+    ran = ~idle & ~halted
     far = idle & jnp.isfinite(plan.wait_until) & (plan.wait_until > (window or _INF))
-    later = ~far & (plan.wait_until > _seen(now0))  # a wake jumps the clock to it exactly
+    later = ~far & jnp.isfinite(plan.wait_until) & (plan.wait_until > _seen(now0))  # exactly
     wake = jnp.where(later, jnp.stack([plan.wait_until, jnp.float32(0)]), now0)
     now = jnp.where(idle | halted, jnp.where(halted, now0, wake), _add(now0, cost))
     done = done0 | (idle & ~halted & ~jnp.isfinite(plan.wait_until))
-    st = jax.tree.map(lambda o, n: jnp.where(halted, o, n), st0, st)  # a halted run stays
     far = jnp.where(far & ~halted, plan.wait_until, _INF).astype(jnp.float32)
-    return st, bc, p + (~idle & ~halted).astype(jnp.int32), now, done, rec, far
+    return (st, bc, p + ran.astype(jnp.int32), now, done, rec, far), row, ran
+
+
+def _step(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int, warm,
+          window, carry):  # fmt: skip
+    """One iteration of a run (`_advance`), its pass recorded at the run's pass count."""
+    carry, row, ran = _advance(policy, params, backend, consts, max_passes, warm, window, carry)
+    at = jnp.where(ran, carry[2] - 1, max_passes)
+    rec = {k: carry[5][k].at[at].set(v, mode="drop") for k, v in row.items()}
+    return (*carry[:5], rec, carry[6])
 
 
 def _live(max_passes: int, carry):
@@ -127,22 +139,43 @@ def device_loop(
     return st, p, rec
 
 
-def sweep_segment(policy: Policy, backend: Simulator, size: int, params: PolicyParams, consts,
-                  carry, floor, steps):  # fmt: skip
+def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: PolicyParams,
+                  consts, carry, rec: dict, floor, steps):  # fmt: skip
     """One segment of a sweep: every member (carries, params and backend consts stacked on a
-    leading axis) steps, vmapped, until each has ended or filled its `size` passes of record, or
-    until no more than `floor` are still stepping, or for `steps` iterations at most; the host
-    then drains the records and narrows the sweep to the members still running (`run_sweep`). A
-    halted member (ended, or full) stays."""
-    step = jax.vmap(lambda pp, k, c: _step(policy, pp, backend, k, size, False, None, c))
+    leading axis) steps, vmapped, for at most the record's length of iterations, until each has
+    ended, or until no more than `floor` are still stepping, or for `steps` iterations at most.
+    Iteration i writes row i of the record (`_sweep_record`: iterations first, then members,
+    so a row is one contiguous update, where rows at each member's own pass count would be a
+    scatter), its `ran` marking the members whose iteration was a pass; the host then drains
+    the record and narrows the sweep to the members still running (`run_sweep`). Returns the
+    iterations run, the carry and the record. A halted member (ended, or at max_passes) stays."""
+    advance = jax.vmap(
+        lambda pp, k, c: _advance(policy, pp, backend, k, max_passes, False, None, c)
+    )
+    size = rec["ran"].shape[0]
 
-    def live(ic):
-        i, c = ic
-        stepping = jax.vmap(partial(_live, size))(c)
-        return (i < steps) & stepping.any() & (stepping.sum() > floor)
+    def live(loop):
+        i, c, _ = loop
+        stepping = jax.vmap(partial(_live, max_passes))(c)
+        full = (c[2] >= max_passes).any()  # the host then stops: a run that did not end
+        return (i < jnp.minimum(steps, size)) & stepping.any() & (stepping.sum() > floor) & ~full
 
-    body = lambda ic: (ic[0] + 1, step(params, consts, ic[1]))  # noqa: E731
-    return jax.lax.while_loop(live, body, (jnp.int32(0), carry))[1]
+    def body(loop):
+        i, c, rec = loop
+        c, row, ran = advance(params, consts, c)
+        row = row | {"ran": ran}
+        return i + 1, c, {k: jax.lax.dynamic_update_index_in_dim(rec[k], row[k], i, 0) for k in rec}
+
+    return jax.lax.while_loop(live, body, (jnp.int32(0), carry, rec))
+
+
+def _sweep_record(size: int, width: int, num_slots: int) -> dict:
+    """A sweep's record buffer: `size` iterations x `width` members of each field, and `ran`."""
+    grid = jnp.zeros((size, width, num_slots), jnp.int32)
+    count, times = jnp.zeros((size, width), jnp.int32), jnp.zeros((size, width), jnp.float32)
+    rec = {k: grid for k in SLOT_FIELDS} | {k: count for k in PASS_FIELDS}
+    rec |= {k: times for k in ("start", "duration", "start_lo")}
+    return rec | {"ran": jnp.zeros((size, width), bool)}
 
 
 def run_device(
@@ -274,7 +307,7 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
     )  # fmt: skip
 
 
-SWEEP_BYTES = 1 << 28  # record a sweep keeps on the device between drains, all members together
+SWEEP_BYTES = 1 << 26  # record a sweep keeps on the device between drains, all members together
 MIN_LANES = 8  # a sweep narrows to no fewer members than this
 
 
@@ -331,24 +364,25 @@ def run_sweep(
     the host narrows it to them (`_widths`; an ended member's state is kept), so a sweep of
     members of very different lengths does not step its ended ones to the end. Compilation (one
     program per width, all before the clock starts) counts as every member's warm-up, the loop's
-    wall time as every member's. The device keeps a record buffer of SWEEP_BYTES for all
-    members; the host drains a group's whenever one of its members fills its share, and at each
-    narrowing."""
+    wall time as every member's. The device keeps a record of SWEEP_BYTES for all members, a row
+    per iteration (`sweep_segment`); the host drains a group's when its rows are full, and at
+    each narrowing. An ended member steps on unselected (a fixed point, `_advance`)."""
     m, b = len(states), states[0].num_slots
-    size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 48)), 16, max_passes))
+    size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 49)), 16, max_passes))
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
     g = max(1, min(groups or sweep_groups(m), m))
     split = [np.arange(k, m, g) for k in range(g)]  # member i in group i % g
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=size)))
+    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=0)))
+    record = jax.jit(_sweep_record, static_argnums=(0, 1, 2))
     trees = [
         (stack([params[i] for i in idx]), stack([backends[i].consts() for i in idx]),
-         start(stack([states[i] for i in idx])))
+         start(stack([states[i] for i in idx])), record(size, len(idx), b))
         for idx in split
     ]  # fmt: skip
-    segment = jax.jit(partial(sweep_segment, policy, backend, size), donate_argnums=2)
-    take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
+    segment = jax.jit(partial(sweep_segment, policy, backend, max_passes), donate_argnums=(2, 3))
+    take = jax.jit(_take, static_argnums=2)
     programs, gathers = {}, {}
     for tree in trees:  # each width once: groups of one size share their programs
         _compile_widths(segment, take, tree, programs, gathers)
@@ -370,6 +404,14 @@ def run_sweep(
     return results
 
 
+def _take(tree, idx, to: int):
+    """A group narrowed to the lanes `idx` (`to` of them): params, consts and carry gathered, the
+    record fresh (the host has drained it; rows past a segment's iterations are never read)."""
+    pstack, consts, carry, rec = tree
+    size, _, b = rec[SLOT_FIELDS[0]].shape
+    return (*jax.tree.map(lambda x: x[idx], (pstack, consts, carry)), _sweep_record(size, to, b))
+
+
 def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
     """Every width's program a group of `tree`'s width steps at, and the gather that narrows
     it to the next, compiled (those not in `programs` and `gathers` yet) and run once each on a
@@ -377,28 +419,31 @@ def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
     tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
     widths = _widths(len(tree[2][2]))
     for w, to in zip(widths, widths[1:] + [0]):
-        spec = jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype), tree)
+        spec = jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype),
+                            tree[:3])  # fmt: skip
+        spec = (*spec, jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct(
+            (x.shape[0], w, *x.shape[2:]), x.dtype), tree[3]))  # fmt: skip
         if w not in programs:
             programs[w] = segment.lower(*spec, jnp.int32(0), jnp.int32(0)).compile()
-            tree = (*tree[:2], programs[w](*tree, jnp.int32(0), jnp.int32(1)))
+            tree = (*tree[:2], *programs[w](*tree, jnp.int32(0), jnp.int32(1))[1:])
         if to and (w, to) not in gathers:
-            gathers[w, to] = take.lower(spec, np.zeros(to, np.int32)).compile()
+            gathers[w, to] = take.lower(spec, np.zeros(to, np.int32), to).compile()
             tree = gathers[w, to](tree, np.arange(to, dtype=np.int32))
         elif to:
-            tree = jax.tree.map(lambda x, to=to: x[:to], tree)
+            tree = (*jax.tree.map(lambda x, to=to: x[:to], tree[:3]),
+                    jax.tree.map(lambda x, to=to: x[:, :to], tree[3]))  # fmt: skip
     jax.block_until_ready(tree)
 
 
 def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
     """One group stepped to its end (a host thread's work in `run_sweep`): segments of its
-    width's program, the record drained after each, narrowed once no more than the next width's
-    members are running. Returns each member's drained records and final state."""
-    pstack, consts, carry = tree
+    width's program, the record's passes drained after each, narrowed once no more than the next
+    width's members are running. Returns each member's drained records and final state."""
+    pstack, consts, carry, rec = tree
     m = len(carry[2])
     drained: list[list[dict]] = [[] for _ in range(m)]
     finals: list[SchedState | None] = [None] * m
     lanes = np.arange(m)  # each lane's member; -1: a spare lane (a copy of an ended one)
-    total = np.zeros(m, np.int64)
 
     def keep_finals(final, which):  # the final states of the lanes `which`, by member
         for lane in which:
@@ -407,20 +452,21 @@ def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
     while True:
         widths = [w for w in _widths(m) if w < len(lanes)]
         floor = widths[0] if widths else 0
-        carry = programs[len(lanes)](pstack, consts, carry, jnp.int32(floor), jnp.int32(2**31 - 1))
-        rec, passes, done = jax.device_get((carry[5], carry[2], carry[4]))
+        i, carry, rec = programs[len(lanes)](pstack, consts, carry, rec, jnp.int32(floor),
+                                             jnp.int32(2**31 - 1))  # fmt: skip
+        rows, i, passes, done = jax.device_get((rec, i, carry[2], carry[4]))
+        ran = rows.pop("ran")[:i]
         for lane, member in enumerate(lanes):
             if member >= 0:
-                drained[member].append({k: v[lane, : passes[lane]] for k, v in rec.items()})
-                total[member] += passes[lane]
+                drained[member].append({k: v[:i, lane][ran[:, lane]] for k, v in rows.items()})
         ours = lanes >= 0
-        if done[ours].all() or (total >= max_passes).any():
+        if done[ours].all() or (passes[ours] >= max_passes).any():
             break
-        carry = (*carry[:2], np.zeros(len(lanes), np.int32), *carry[3:])
         idx = _narrow(lanes, done, floor)
         if idx is not None:
             keep_finals(jax.device_get(carry[0]), np.flatnonzero(done & ours))
-            pstack, consts, carry = gathers[len(lanes), floor]((pstack, consts, carry), idx)
+            pstack, consts, carry, rec = gathers[len(lanes), floor]((pstack, consts, carry, rec),
+                                                                   idx)  # fmt: skip
             lanes = np.where(np.arange(len(idx)) < (~done & ours).sum(), lanes[idx], -1)
     keep_finals(jax.device_get(carry[0]), np.flatnonzero(lanes >= 0))
     return drained, finals

@@ -15,7 +15,7 @@ from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
 from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.run import simulate, simulate_sweep, sweep_key
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import init_state
+from jaxbatch.sched.state import IDLE, init_state
 from tests.conftest import make_config, make_workload
 
 H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory_gb=80,
@@ -66,9 +66,9 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
     np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
 
 
-# sweep_bytes: one segment, or drained every 16 passes; min_lanes 8: 3 members at once, 1: narrowed
-# to 1 once 1 runs; groups 2: members 0 and 2 on one thread, 1 on another. Expected: the lanes
-# each narrowing kept (of the slowest arrivals' member, 2).
+# sweep_bytes: one segment, or drained every 16 iterations; min_lanes 8: 3 members at once, 1:
+# narrowed to 1 once 1 runs; groups 2: members 0 and 2 on one thread, 1 on another. Expected: the
+# lanes each narrowing kept (of the slowest arrivals' member, 2).
 @pytest.mark.parametrize(
     "sweep_bytes, min_lanes, groups, kept",
     [(1 << 28, 8, 1, []), (1, 8, 1, []), (1 << 28, 1, 1, [[2]]), (1, 1, 1, [[2]]),
@@ -107,6 +107,28 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(
             )
     assert len({r.record.num_passes for r in together}) == 3  # really different runs
     assert [list(k) for k in narrowed if k is not None] == kept
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
+def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
+    """A sweep steps its ended members on with the others, their states unselected
+    (`device_loop._advance`): an ended run, scheduled again at its clock, plans an idle pass
+    with no wake, and that plan's commit leaves its state field for field as it was. Arrivals,
+    and paged memory under preemption."""
+    cfg = make_config(policy, num_slots=3, backend="simulator", clock="passes")
+    cfg.policy.token_budget = 32
+    cfg.policy.max_wait_s = 1.0 if policy == "static" else 0.0
+    cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
+    res = simulate(cfg, make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS))
+    assert res.record.num_passes > len(PROMPTS)
+    ended = jax.tree.map(jax.numpy.asarray, res.final)
+    params = PolicyParams(token_budget=np.int32(32), max_wait_s=np.float32(1.0))
+    again, plan = jax.jit(make_policy(policy).schedule)(ended, params)
+    assert int(plan.kind) == IDLE and not np.isfinite(float(plan.wait_until))  # no wake
+    again = jax.jit(make_policy(policy).commit)(again, plan, np.zeros(3, np.int32), params)
+    for a, b in zip(jax.tree.leaves(ended), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
