@@ -3,8 +3,9 @@ arrival rates, and over workload seeds) as one vmapped device loop against the s
 another (the target: 10x). A sweep runs its members in `device_loop.sweep_groups` groups, one
 host thread each (on this CPU, one per core); it is also timed as one group, for comparison.
 Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
-16..256) per run, Llama-3 8B priced on one H100. Compilation is excluded from every figure and
-printed apart. Asserts nothing.
+16..256) per run, Llama-3 8B priced on one H100. The three ways of running a sweep are timed in
+`--repeats` interleaved rounds; each figure is their median. Compilation is excluded from every
+figure and printed apart. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import time
 
 import numpy as np
-from common import config
+from common import config, median
 from omegaconf import OmegaConf
 
 from jaxbatch.calibrate import HARDWARE_DIR
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=64)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     cfg = config("continuous", args.slots, args.requests,
                  LengthConfig(dist="uniform", low=16, high=512),
@@ -67,26 +69,32 @@ def main() -> None:
         "arrival rates 0.25x..4x": [state(workload, s) for s in np.geomspace(0.25, 4.0, args.members)],
         "workload seeds": [state(w) for w in seeds],
     }  # fmt: skip
+    groups = sweep_groups(args.members)
     for name, states in sweeps.items():
         fed = max(int(np.asarray(st.prompt_len).sum() + np.asarray(st.max_new).sum())
                   for st in states) + 16  # fmt: skip
-        alone = [run_device(policy, params, st, backend, fed) for st in states]
-        groups = sweep_groups(args.members)
-        together = run_sweep(policy, [params] * args.members, states, [backend] * args.members,
-                             fed, groups)  # fmt: skip
-        one = run_sweep(policy, [params] * args.members, states, [backend] * args.members, fed, 1)
+        seconds = {"alone": [], "groups": [], "one": []}
+        for _ in range(args.repeats):  # interleaved rounds: the machine's drift hits all three
+            alone = [run_device(policy, params, st, backend, fed) for st in states]
+            together = run_sweep(policy, [params] * args.members, states,
+                                 [backend] * args.members, fed, groups)  # fmt: skip
+            one = run_sweep(policy, [params] * args.members, states, [backend] * args.members,
+                            fed, 1)  # fmt: skip
+            seconds["alone"].append(sum(r.wall_s for r in alone))
+            seconds["groups"].append(together[0].wall_s)
+            seconds["one"].append(one[0].wall_s)
         counts = [r.record.num_passes for r in alone]
         passes = sum(counts)
         assert passes == sum(r.record.num_passes for r in together)
-        sequential, vmapped = sum(r.wall_s for r in alone), together[0].wall_s
+        sequential, vmapped, single = (median(seconds[k]) for k in ("alone", "groups", "one"))
         compile_s = sum(r.warmup_s for r in alone)
         print(f"{args.members} members over {name}, {passes} passes in all (the longest member "
               f"{max(counts) / np.mean(counts):.2f}x the mean: a group's members step together "
-              f"until its longest ends): one by one {sequential:.2f} s "
+              f"until its longest ends), medians of {args.repeats}: one by one {sequential:.2f} s "
               f"({passes / sequential:,.0f} passes/s; compiles {compile_s:.1f} s apart), vmapped "
               f"in {groups} group(s) {vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
               f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x; as one group "
-              f"{one[0].wall_s:.2f} s: {sequential / one[0].wall_s:.1f}x")  # fmt: skip
+              f"{single:.2f} s: {sequential / single:.1f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
