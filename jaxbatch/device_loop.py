@@ -152,7 +152,7 @@ def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: P
     advance = jax.vmap(
         lambda pp, k, c: _advance(policy, pp, backend, k, max_passes, False, None, c)
     )
-    size = rec["ran"].shape[0]
+    size = rec["slots"].shape[0]
 
     def live(loop):
         i, c, _ = loop
@@ -164,18 +164,35 @@ def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: P
         i, c, rec = loop
         c, row, ran = advance(params, consts, c)
         row = row | {"ran": ran}
-        return i + 1, c, {k: jax.lax.dynamic_update_index_in_dim(rec[k], row[k], i, 0) for k in rec}
+        packed = {part: jnp.stack([row[k].astype(rec[part].dtype) for k in fields], axis=1)
+                  for part, fields in _SWEEP_PARTS.items()}  # fmt: skip
+        rec = {k: jax.lax.dynamic_update_index_in_dim(rec[k], packed[k], i, 0) for k in rec}
+        return i + 1, c, rec
 
     return jax.lax.while_loop(live, body, (jnp.int32(0), carry, rec))
 
 
+# A sweep's record, packed in three arrays (one update each per iteration): the per-slot fields,
+# the per-pass counts (with `ran`: the iteration was a pass) and the times.
+_SWEEP_PARTS = {
+    "slots": SLOT_FIELDS,
+    "counts": tuple(k for k in PASS_FIELDS if k not in ("start", "duration")) + ("ran",),
+    "times": ("start", "duration", "start_lo"),
+}
+
+
 def _sweep_record(size: int, width: int, num_slots: int) -> dict:
-    """A sweep's record buffer: `size` iterations x `width` members of each field, and `ran`."""
-    grid = jnp.zeros((size, width, num_slots), jnp.int32)
-    count, times = jnp.zeros((size, width), jnp.int32), jnp.zeros((size, width), jnp.float32)
-    rec = {k: grid for k in SLOT_FIELDS} | {k: count for k in PASS_FIELDS}
-    rec |= {k: times for k in ("start", "duration", "start_lo")}
-    return rec | {"ran": jnp.zeros((size, width), bool)}
+    """A sweep's record buffer (`_SWEEP_PARTS`): `size` iterations x `width` members."""
+    slots = jnp.zeros((size, width, len(SLOT_FIELDS), num_slots), jnp.int32)
+    counts = jnp.zeros((size, width, len(_SWEEP_PARTS["counts"])), jnp.int32)
+    return {"slots": slots, "counts": counts, "times": jnp.zeros((size, width, 3), jnp.float32)}
+
+
+def _unpack(rows: dict, i: int, lane: int) -> dict:
+    """A member's passes (the rows its iterations ran) from a drained sweep record, by field."""
+    ran = rows["counts"][:i, lane, -1] > 0
+    return {k: rows[part][:i, lane, j][ran] for part, fields in _SWEEP_PARTS.items()
+            for j, k in enumerate(fields) if k != "ran"}  # fmt: skip
 
 
 def run_device(
@@ -408,7 +425,7 @@ def _take(tree, idx, to: int):
     """A group narrowed to the lanes `idx` (`to` of them): params, consts and carry gathered, the
     record fresh (the host has drained it; rows past a segment's iterations are never read)."""
     pstack, consts, carry, rec = tree
-    size, _, b = rec[SLOT_FIELDS[0]].shape
+    size, _, _, b = rec["slots"].shape
     return (*jax.tree.map(lambda x: x[idx], (pstack, consts, carry)), _sweep_record(size, to, b))
 
 
@@ -455,10 +472,9 @@ def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
         i, carry, rec = programs[len(lanes)](pstack, consts, carry, rec, jnp.int32(floor),
                                              jnp.int32(2**31 - 1))  # fmt: skip
         rows, i, passes, done = jax.device_get((rec, i, carry[2], carry[4]))
-        ran = rows.pop("ran")[:i]
         for lane, member in enumerate(lanes):
             if member >= 0:
-                drained[member].append({k: v[:i, lane][ran[:, lane]] for k, v in rows.items()})
+                drained[member].append(_unpack(rows, int(i), lane))
         ours = lanes >= 0
         if done[ours].all() or (passes[ours] >= max_passes).any():
             break
