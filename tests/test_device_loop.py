@@ -131,6 +131,21 @@ def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_run_past_max_passes_is_refused_not_cut_short(groups):
+    """A sweep whose member reaches max_passes (its loop then stops every member) is refused,
+    naming an unfinished member, as run_device refuses its run: nothing is returned cut short."""
+    policy, params = make_policy("continuous"), PolicyParams()
+    n = len(PROMPTS)
+    states = [init_state(np.array(ARRIVALS) * s, np.array(PROMPTS), np.array(BUDGETS),
+                         np.zeros(n, bool), 3) for s in (0.1, 1.0, 4.0)]  # fmt: skip
+    sim = Simulator(3, 256)
+    with pytest.raises(RuntimeError, match="did not end within max_passes=10"):
+        run_device(policy, params, states[0], sim, 10)
+    with pytest.raises(RuntimeError, match=r"sweep member \d did not end within max_passes=10"):
+        run_sweep(policy, [params] * 3, states, [sim] * 3, 10, groups)
+
+
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
     cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes")
     cfg.policy.token_budget = 64
