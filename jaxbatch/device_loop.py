@@ -148,7 +148,8 @@ def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: P
     so a row is one contiguous update, where rows at each member's own pass count would be a
     scatter), its `ran` marking the members whose iteration was a pass; the host then drains
     the record and narrows the sweep to the members still running (`run_sweep`). Returns the
-    iterations run, the carry and the record. A halted member (ended, or at max_passes) stays."""
+    iterations run, the carry and the record. An ended member stays as it is (`_advance`); once
+    a member reaches max_passes the segment ends, and the host refuses the sweep."""
     advance = jax.vmap(
         lambda pp, k, c: _advance(policy, pp, backend, k, max_passes, False, None, c)
     )
@@ -385,7 +386,8 @@ def run_sweep(
     per iteration (`sweep_segment`); the host drains a group's when its rows are full, and at
     each narrowing. An ended member steps on unselected (a fixed point, `_advance`)."""
     m, b = len(states), states[0].num_slots
-    size = int(np.clip(SWEEP_BYTES // (m * (17 * b + 49)), 16, max_passes))
+    row_bytes = 4 * (len(SLOT_FIELDS) * b + len(_SWEEP_PARTS["counts"]) + 3)  # a member's row
+    size = int(np.clip(SWEEP_BYTES // (m * row_bytes), 16, max_passes))
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
     g = max(1, min(groups or sweep_groups(m), m))
     split = [np.arange(k, m, g) for k in range(g)]  # member i in group i % g
