@@ -114,7 +114,7 @@ def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
     """A sweep steps its ended members on with the others, their states unselected
     (`device_loop._advance`): an ended run, scheduled again at its clock, plans an idle pass
     with no wake, and that plan's commit leaves its state field for field as it was. Arrivals,
-    and paged memory under preemption."""
+    and paged memory (continuous and chunked preempt in it)."""
     cfg = make_config(policy, num_slots=3, backend="simulator", clock="passes")
     cfg.policy.token_budget = 32
     cfg.policy.max_wait_s = 1.0 if policy == "static" else 0.0
@@ -122,6 +122,8 @@ def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
     res = simulate(cfg, make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS))
     assert res.record.num_passes > len(PROMPTS)
+    preempted = int(np.asarray(res.final.num_preemptions).sum())
+    assert preempted > 0 if policy in ("continuous", "chunked") else preempted == 0
     ended = jax.tree.map(jax.numpy.asarray, res.final)
     params = PolicyParams(token_budget=np.int32(32), max_wait_s=np.float32(1.0))
     again, plan = jax.jit(make_policy(policy).schedule)(ended, params)
