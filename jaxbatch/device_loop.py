@@ -431,6 +431,14 @@ def _take(tree, idx, to: int):
     return (*jax.tree.map(lambda x: x[idx], (pstack, consts, carry)), _sweep_record(size, to, b))
 
 
+def _at_width(tree, w: int):
+    """`tree`'s shapes at width w: params, consts and carry lead with the members, the record
+    (`_sweep_record`) with its rows, then the members."""
+    lead = lambda x: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype)  # noqa: E731
+    rows = lambda x: jax.ShapeDtypeStruct((x.shape[0], w, *x.shape[2:]), x.dtype)  # noqa: E731
+    return (*jax.tree.map(lead, tree[:3]), jax.tree.map(rows, tree[3]))
+
+
 def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
     """Every width's program a group of `tree`'s width steps at, and the gather that narrows
     it to the next, compiled (those not in `programs` and `gathers` yet) and run once each on a
@@ -438,19 +446,14 @@ def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
     tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
     widths = _widths(len(tree[2][2]))
     for w, to in zip(widths, widths[1:] + [0]):
-        spec = jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype),
-                            tree[:3])  # fmt: skip
-        spec = (*spec, jax.tree.map(lambda x, w=w: jax.ShapeDtypeStruct(
-            (x.shape[0], w, *x.shape[2:]), x.dtype), tree[3]))  # fmt: skip
         if w not in programs:
-            programs[w] = segment.lower(*spec, jnp.int32(0), jnp.int32(0)).compile()
+            programs[w] = segment.lower(*_at_width(tree, w), jnp.int32(0), jnp.int32(0)).compile()
             tree = (*tree[:2], *programs[w](*tree, jnp.int32(0), jnp.int32(1))[1:])
-        if to and (w, to) not in gathers:
-            gathers[w, to] = take.lower(spec, np.zeros(to, np.int32), to).compile()
+        if to:
+            if (w, to) not in gathers:
+                idx = np.zeros(to, np.int32)
+                gathers[w, to] = take.lower(_at_width(tree, w), idx, to).compile()
             tree = gathers[w, to](tree, np.arange(to, dtype=np.int32))
-        elif to:
-            tree = (*jax.tree.map(lambda x, to=to: x[:to], tree[:3]),
-                    jax.tree.map(lambda x, to=to: x[:, :to], tree[3]))  # fmt: skip
     jax.block_until_ready(tree)
 
 
