@@ -31,7 +31,7 @@ HARDWARE_NAMES = (
     "cpu_local", "custom",
 )  # fmt: skip
 BACKENDS = ("runner", "simulator")
-CLOCKS = ("measured", "passes", "priced")
+CLOCKS = ("auto", "measured", "passes", "priced")
 LOOPS = ("host", "device")
 
 
@@ -147,7 +147,10 @@ class WorkloadConfig:
 class EngineConfig:
     backend: str = "runner"  # runner | simulator
     num_slots: int = 8
-    clock: str = "measured"  # measured | passes
+    # measured (wall time) | passes (one unit a pass) | priced (the cost model's price of each
+    # pass, simulator only) | auto: the backend's own, measured on the runner, priced on the
+    # simulator
+    clock: str = "auto"
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
@@ -161,6 +164,12 @@ class EngineConfig:
     # JAX's persistent compilation cache: `user` ($XDG_CACHE_HOME or ~/.cache, then
     # jaxbatch/xla), `off`, or a folder. A run whose shapes an earlier run compiled loads them.
     compile_cache: str = "user"
+
+    def resolve_clock(self) -> None:
+        """`auto` becomes the backend's own clock, in place (`validate`, and `run.build_backend`
+        for configs built in code), so what a run records is never auto."""
+        if self.clock == "auto":
+            self.clock = "priced" if self.backend == "simulator" else "measured"
 
 
 @dataclass
@@ -332,6 +341,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("engine.loop", e.loop, "checkpoints and resume need the host loop")
     _one_of("engine.backend", e.backend, BACKENDS)
     _positive("engine.num_slots", e.num_slots)
+    e.resolve_clock()
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
         raise ConfigError(
@@ -447,8 +457,9 @@ def _hardware(cfg: Config) -> None:
         if h.name == "none":
             raise ConfigError(
                 "hardware.name", h.name,
-                "engine.clock=priced needs hardware to price passes for: use one of "
-                + ", ".join(HARDWARE_NAMES[1:]),
+                "engine.clock=priced (the simulator's default) needs hardware to price passes "
+                "for: use one of " + ", ".join(HARDWARE_NAMES[1:])
+                + "; or engine.clock=passes, which counts passes",
             )  # fmt: skip
     if h.name == "none":
         return

@@ -36,7 +36,7 @@ from jaxbatch.workload import WorkloadError, read_trace
             "engine",
             "clock",
             "wall",
-            "engine.clock='wall' is not valid: use one of measured, passes, priced",
+            "engine.clock='wall' is not valid: use one of auto, measured, passes, priced",
         ),
         ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
     ],

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from jaxbatch.cli import CONFIG_DIR
-from jaxbatch.config import Config, register, validate
+from jaxbatch.config import Config, ConfigError, register, validate
 
 
 def _composed(model: str) -> Config:
@@ -54,6 +54,34 @@ def test_model_presets_have_the_released_sizes(model, params):
                           "engine.backend=simulator", "engine.clock=priced"])  # fmt: skip
     validate(cfg)
     assert cfg.model.spec().num_params == params
+
+
+@pytest.mark.parametrize(
+    "overrides, clock",
+    [
+        ([], "measured"),  # the runner's own: wall time
+        (["engine.backend=simulator", "hardware=h100_sxm"], "priced"),  # the simulator's own
+        (["engine.backend=simulator", "engine.clock=passes"], "passes"),
+        (["engine.clock=passes"], "passes"),
+    ],
+)
+def test_each_backend_has_its_own_default_clock(overrides, clock):
+    cfg = _composed_with(overrides)
+    given = any(o.startswith("engine.clock=") for o in overrides)
+    assert cfg.engine.clock == (clock if given else "auto")  # until validated
+    validate(cfg)
+    assert cfg.engine.clock == clock
+
+
+def test_the_simulator_without_hardware_names_both_ways_out():
+    cfg = _composed_with(["engine.backend=simulator"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value) == (
+        "hardware.name='none' is not valid: engine.clock=priced (the simulator's default) needs "
+        "hardware to price passes for: use one of a100_40gb, a100_80gb, h100_sxm, h200, tpu_v5e, "
+        "tpu_v5p, tpu_v6e, cpu_local, custom; or engine.clock=passes, which counts passes"
+    )
 
 
 @pytest.mark.parametrize(
