@@ -14,16 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.sched.state import SchedState
+from jaxbatch.sched.state import SchedState, float32_up
 
 # The device's times stay within WINDOW of the origin, where a float32 step is under 0.5 us.
 WINDOW = 4.0
-
-
-def _up(x: np.ndarray) -> np.ndarray:
-    """float64 -> the nearest float32 at or above it."""
-    y = np.asarray(x, np.float32)
-    return np.where(y < x, np.nextafter(y, np.float32(np.inf)), y).astype(np.float32)
 
 
 def _down(x: float) -> np.float32:
@@ -52,7 +46,7 @@ class Clock:
         """Move the origin to `origin` (at or before every time the device will next see):
         the state's arrivals, relative to it and rounded up."""
         self.origin = float(origin)
-        arrival = jnp.asarray(_up(self.arrival - self.origin))
+        arrival = jnp.asarray(float32_up(self.arrival - self.origin))
         placed = getattr(state.arrival, "sharding", None)
         if placed is not None and len(placed.device_set) > 1:  # on a mesh: stay there
             arrival = jax.device_put(arrival, placed)

@@ -32,7 +32,7 @@ HARDWARE_NAMES = (
 )  # fmt: skip
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("auto", "measured", "passes", "priced")
-LOOPS = ("host", "device")
+LOOPS = ("auto", "host", "device")
 
 
 class ConfigError(ValueError):
@@ -160,16 +160,12 @@ class EngineConfig:
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
     # host: one Python iteration per pass. device: the whole run as one compiled lax.while_loop
     # (on the runner with the measured clock, offline workloads only: it is timed as a whole).
-    loop: str = "host"
+    # auto: the backend's own, host on the runner (each pass timed), device on the simulator
+    # (one compiled program a run) unless checkpoints or resume need the host loop.
+    loop: str = "auto"
     # JAX's persistent compilation cache: `user` ($XDG_CACHE_HOME or ~/.cache, then
     # jaxbatch/xla), `off`, or a folder. A run whose shapes an earlier run compiled loads them.
     compile_cache: str = "user"
-
-    def resolve_clock(self) -> None:
-        """`auto` becomes the backend's own clock, in place (`validate`, and `run.build_backend`
-        for configs built in code), so what a run records is never auto."""
-        if self.clock == "auto":
-            self.clock = "priced" if self.backend == "simulator" else "measured"
 
 
 @dataclass
@@ -255,6 +251,18 @@ def _one_of(name: str, value, valid: tuple[str, ...]) -> None:
         raise ConfigError(name, value, "use one of " + ", ".join(valid))
 
 
+def resolve_auto(cfg: Config) -> None:
+    """engine.clock and engine.loop `auto` become the backend's own, in place, so what a run
+    records is never auto: the runner's measured clock and host loop; the simulator's priced
+    clock and device loop (the host loop where checkpoints or resume need it). `validate` calls
+    it, and `run` does for configs built in code."""
+    e, sim = cfg.engine, cfg.engine.backend == "simulator"
+    if e.clock == "auto":
+        e.clock = "priced" if sim else "measured"
+    if e.loop == "auto":
+        e.loop = "device" if sim and not (cfg.output.checkpoint_every or cfg.resume) else "host"
+
+
 def validate(cfg: Config) -> None:
     m, p, w, e = cfg.model, cfg.policy, cfg.workload, cfg.engine
     _one_of("model.name", m.name, MODEL_NAMES)
@@ -337,11 +345,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             "output.checkpoint_every", cfg.output.checkpoint_every, "must be >= 0 (0: off)"
         )
+    resolve_auto(cfg)
     if (cfg.output.checkpoint_every or cfg.resume) and e.loop != "host":
         raise ConfigError("engine.loop", e.loop, "checkpoints and resume need the host loop")
     _one_of("engine.backend", e.backend, BACKENDS)
     _positive("engine.num_slots", e.num_slots)
-    e.resolve_clock()
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
         raise ConfigError(

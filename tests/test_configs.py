@@ -57,20 +57,23 @@ def test_model_presets_have_the_released_sizes(model, params):
 
 
 @pytest.mark.parametrize(
-    "overrides, clock",
+    "overrides, clock, loop",
     [
-        ([], "measured"),  # the runner's own: wall time
-        (["engine.backend=simulator", "hardware=h100_sxm"], "priced"),  # the simulator's own
-        (["engine.backend=simulator", "engine.clock=passes"], "passes"),
-        (["engine.clock=passes"], "passes"),
+        ([], "measured", "host"),  # the runner's own: wall time, each pass timed
+        (["engine.backend=simulator", "hardware=h100_sxm"], "priced", "device"),  # the simulator's
+        (["engine.backend=simulator", "engine.clock=passes", "engine.loop=host"], "passes", "host"),
+        (["engine.backend=simulator", "engine.clock=passes", "output.checkpoint_every=50"],
+         "passes", "host"),  # checkpoints need the host loop
+        (["engine.clock=passes", "engine.loop=device"], "passes", "device"),
     ],
-)
-def test_each_backend_has_its_own_default_clock(overrides, clock):
+)  # fmt: skip
+def test_each_backend_has_its_own_default_clock_and_loop(overrides, clock, loop):
     cfg = _composed_with(overrides)
-    given = any(o.startswith("engine.clock=") for o in overrides)
-    assert cfg.engine.clock == (clock if given else "auto")  # until validated
+    for field, value in (("clock", clock), ("loop", loop)):
+        given = any(o.startswith(f"engine.{field}=") for o in overrides)
+        assert getattr(cfg.engine, field) == (value if given else "auto")  # until validated
     validate(cfg)
-    assert cfg.engine.clock == clock
+    assert (cfg.engine.clock, cfg.engine.loop) == (clock, loop)
 
 
 def test_the_simulator_without_hardware_names_both_ways_out():

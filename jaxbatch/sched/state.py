@@ -67,6 +67,14 @@ class Plan:
     block_table: Array  # [B, max_blocks] i32 each slot's blocks (width 0 without paged memory)
 
 
+def float32_up(x) -> np.ndarray:
+    """float64 times -> the nearest float32 at or above each: a time rounded so, such as an
+    arrival, is never seen early by a float32 clock."""
+    x = np.asarray(x, np.float64)
+    y = x.astype(np.float32)
+    return np.where(y < x, np.nextafter(y, np.float32(np.inf)), y).astype(np.float32)
+
+
 def init_state(
     arrival: np.ndarray,
     prompt_len: np.ndarray,
@@ -87,7 +95,7 @@ def init_state(
     num_blocks = memory.num_blocks if memory else 0
     usable = num_blocks if usable_blocks is None else usable_blocks
     return SchedState(
-        arrival=jnp.asarray(arrival, jnp.float32),
+        arrival=jnp.asarray(float32_up(arrival)),  # never early: rounded up
         prompt_len=jnp.asarray(prompt_len, jnp.int32),
         max_new=jnp.asarray(max_new, jnp.int32),
         priority=jnp.asarray(priority, jnp.int32),
@@ -97,7 +105,7 @@ def init_state(
         slot=jnp.full(n, -1, jnp.int32),
         num_preemptions=zeros,
         admit_order=zeros,
-        rank=jnp.asarray(queue_ranks(np.asarray(arrival, np.float32), prompt_len, priority)),
+        rank=jnp.asarray(queue_ranks(np.asarray(arrival, np.float64), prompt_len, priority)),
         reserved=zeros,
         slot_req=jnp.full(num_slots, -1, jnp.int32),
         block_table=jnp.full((num_slots, max_blocks), -1, jnp.int32),
