@@ -327,6 +327,15 @@ def validate(cfg: Config) -> None:
                     "must be >= 1: a fixed length is int(mean) tokens, and every prompt and "
                     "output budget holds at least one",
                 )  # fmt: skip
+            default = LengthConfig()
+            for bound in ("low", "high"):  # a fixed length would silently ignore the range
+                if d.dist == "fixed" and getattr(d, bound) != getattr(default, bound):
+                    raise ConfigError(
+                        f"workload.{part}.{bound}", getattr(d, bound),
+                        f"workload.{part}.dist=fixed uses only mean ({d.mean:g} tokens): set "
+                        f"workload.{part}.dist=uniform (or lognormal, clipped to low..high) to "
+                        "draw lengths in low..high",
+                    )  # fmt: skip
             _positive(f"workload.{part}.low", d.low)
             if d.high < d.low:
                 raise ConfigError(f"workload.{part}.high", d.high, f"must be >= low={d.low}")

@@ -39,11 +39,23 @@ from jaxbatch.workload import WorkloadError, read_trace
             "engine.clock='wall' is not valid: use one of auto, measured, passes, priced",
         ),
         ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
+        (
+            "workload",
+            "prompt.high",  # the default prompt's length is fixed (32): a range needs a dist
+            2000,
+            "workload.prompt.high=2000 is not valid: workload.prompt.dist=fixed uses only mean "
+            "(32 tokens): set workload.prompt.dist=uniform (or lognormal, clipped to low..high) "
+            "to draw lengths in low..high",
+        ),
     ],
 )
 def test_config_errors_name_the_field(section, field, value, expect):
     cfg = Config()
-    setattr(getattr(cfg, section), field, value)
+    *path, name = f"{section}.{field}".split(".")
+    owner = cfg
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, name, value)
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert str(err.value) == expect
