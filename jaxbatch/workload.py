@@ -137,7 +137,10 @@ def read_trace(
         reader = csv.reader(f)
         header = next(reader, None)
         expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-        if header is None or [h.strip() for h in header[:3]] != expected:
+        if header is None:
+            raise WorkloadError(f"{path}: the file is empty: a trace starts with the header "
+                                f"{','.join(expected)}")  # fmt: skip
+        if [h.strip() for h in header[:3]] != expected:
             raise WorkloadError(f"{path}:1: header {header} is not {expected}")
         for line, row in enumerate(reader, start=2):
             if limit and len(times) >= limit:

@@ -77,6 +77,22 @@ def test_malformed_trace_rows_name_file_and_line(tmp_path):
         assert str(err.value).startswith(f"{path}:{message}")
 
 
+def test_an_empty_or_headless_trace_says_which(tmp_path):
+    cases = {
+        "": ": the file is empty: a trace starts with the header "
+            "TIMESTAMP,ContextTokens,GeneratedTokens",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n": ": the trace has no request rows",
+        "time,in,out\n": ":1: header ['time', 'in', 'out'] is not "
+            "['TIMESTAMP', 'ContextTokens', 'GeneratedTokens']",
+    }  # fmt: skip
+    for text, message in cases.items():
+        path = tmp_path / "t.csv"
+        path.write_text(text)
+        with pytest.raises(WorkloadError) as err:
+            read_trace(path)
+        assert str(err.value) == f"{path}{message}"
+
+
 def test_cli_reports_one_message_and_exit_code_2(tmp_path):
     cmd = [sys.executable, "-m", "jaxbatch", f"hydra.run.dir={tmp_path}", "engine.num_slots=-1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
