@@ -247,13 +247,14 @@ def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd)
     got = np.asarray(jax.jit(queue_head, static_argnums=1)(state, queue))
     np.testing.assert_array_equal(got[: min(n, slots)], want)
     assert (got[n:] == 0).all()
-    # Ranked only as far as it admits: the first `count` exact, at every top-k tier, alone and
-    # vmapped with other counts (the batch takes the tier of its largest count).
-    counts = jnp.arange(min(n, slots) + 1, dtype=jnp.int32)
-    head = jax.jit(queue_head, static_argnums=1)
-    batched = jax.jit(jax.vmap(queue_head, (None, None, 0)), static_argnums=1)(state, queue, counts)
-    for count in range(min(n, slots) + 1):
-        alone = np.asarray(head(state, queue, jnp.int32(count)))
-        np.testing.assert_array_equal(alone[:count], want[:count])
-        np.testing.assert_array_equal(np.asarray(batched[count])[:count], want[:count])
-        assert ((0 <= alone) & (alone < n)).all()  # the rest: valid ids
+    # Vmapped, ranked only as far as each member admits: the first `count` exact at every top-k
+    # tier (the batch takes the tier of its largest count), the rest valid ids. Alone (above)
+    # a count ranks them all, or none for 0.
+    heads = jax.jit(jax.vmap(queue_head, (None, None, 0)), static_argnums=1)
+    most = min(n, slots)
+    for top in range(most + 1):  # the batch's largest count: every tier in turn
+        counts = np.minimum(np.arange(most + 1), top).astype(np.int32)
+        batched = np.asarray(heads(state, queue, counts))
+        assert ((0 <= batched) & (batched < n)).all()
+        for row, count in enumerate(counts):
+            np.testing.assert_array_equal(batched[row][:count], want[:count])
