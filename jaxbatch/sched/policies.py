@@ -159,8 +159,8 @@ def _first(b: int):
 def admit(state: SchedState, limit: Array, params: PolicyParams, queue: str) -> SchedState:
     """Put up to `limit` queued requests into free slots in `queue` order, and only while the
     memory budget grants each its need in that order (a request never skips one ahead of it).
-    Ranks the queue only as far as it admits (`queue_head` with a count: no top-k when nothing
-    can be admitted, a small one for one or two requests)."""
+    Ranks the queue only when it admits (`queue_head` with a count: no top-k when nothing can
+    be admitted), and in a vmapped sweep only as far as its members admit (`_first`)."""
     n, b = state.arrival.shape[0], state.num_slots
     queued = _queued(state)
     free = state.slot_req < 0
