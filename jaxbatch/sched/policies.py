@@ -149,9 +149,8 @@ def _first(b: int):
 
     @first.def_vmap
     def _(axis_size, in_batched, key, count):
-        if not in_batched[0]:
-            key = jnp.broadcast_to(key, (axis_size, *key.shape))
-        return jax.lax.switch(tier(jnp.max(count)), branches, key), True
+        ids = jax.lax.switch(tier(jnp.max(count)), branches, key)
+        return (ids if in_batched[0] else jnp.broadcast_to(ids, (axis_size, b))), True
 
     return first
 
