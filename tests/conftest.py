@@ -26,10 +26,17 @@ from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
 from jaxbatch.workload import Workload
 
+# One layer for the runs of the policy, loop and output tests: what they compare (schedules,
+# tokens of one run against another) does not depend on depth, and XLA compiles a program of one
+# layer in about 70% of the time of two (a device loop over the model, 2026-12-06: compilation
+# is about 85% of the suite). The model's own equalities (`spec` below: cached passes against
+# the uncached forward pass, paged against slot, chunked against one-shot) keep two layers, so
+# that each layer's cache is checked to be its own.
 TEST_MODEL = ModelConfig(
-    name="custom", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=128,
+    name="custom", vocab_size=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_mlp=128,
     max_len=256,
 )  # fmt: skip
+MODEL_LAYERS = 2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,8 +71,8 @@ def _no_persistent_cache(monkeypatch):
 @pytest.fixture(scope="session", params=[2, 4], ids=["kv2", "kv4"])
 def spec(request) -> ModelSpec:
     """The test model with grouped-query (2 KV heads for 4 query heads) and plain multi-head
-    attention (4 KV heads): the two take different attention paths."""
-    return dataclasses.replace(TEST_MODEL.spec(), n_kv_heads=request.param)
+    attention (4 KV heads): the two take different attention paths. Two layers."""
+    return dataclasses.replace(TEST_MODEL.spec(), n_kv_heads=request.param, n_layers=MODEL_LAYERS)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from jaxbatch.report import rebuild as report
 
 ROOT = Path(__file__).parents[1]
 MODEL = [
-    "model.name=custom", "model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
+    "model.name=custom", "model.vocab_size=256", "model.d_model=64", "model.n_layers=1",
     "model.n_heads=4", "model.n_kv_heads=2", "model.d_mlp=128",
 ]  # fmt: skip
 # Long enough that no run ends before the signal: 6,000 requests of up to 90 tokens. Prompts of
@@ -35,14 +35,27 @@ COMMON = [
     *MODEL,
     "model.max_len=128",
     *WORKLOAD,
-    "engine.compile_cache=off",
     "engine.num_slots=4",
     "output.plots=true",
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    """One compile cache for the module's processes (what a user's default, `user`, does): a
+    process loads the passes an earlier one compiled, where they share them. A resumed run
+    keeps its run's config, the cache too."""
+    CACHE.append(f"engine.compile_cache={tmp_path_factory.mktemp('xla')}")
+    yield
+    CACHE.clear()
+
+
+CACHE: list[str] = []
+
+
 def _start(args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxbatch", *args]
+    cache = [] if any(a.startswith("resume=") for a in args) else CACHE
+    cmd = [sys.executable, "-m", "jaxbatch", *args, *cache]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -123,7 +136,6 @@ def test_a_failing_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path, capsys)
     small = [
         *MODEL,
         "model.max_len=256",
-        "engine.compile_cache=off",
         "engine.warmup=false",
         "workload.num_requests=4",
         "output.plots=false",

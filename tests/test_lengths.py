@@ -1,15 +1,18 @@
 """Every prompt length from 1 to the largest bucket below the model's max_len, with grouped-query
 and multi-head attention: a one-shot prefill, the same prompt prefilled in two chunks (mixed
-passes), and the decode after either give the uncached forward pass's logits."""
+passes), and the decode after either give the uncached forward pass's logits. One layer: what
+varies here is the length (masks, buckets, positions); test_model checks each layer's cache."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.runner import Runner
-from jaxbatch.model.transformer import full_forward
+from jaxbatch.model.transformer import full_forward, init_params
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from tests.conftest import make_workload
 
@@ -25,7 +28,9 @@ def _run(runner, kind, req, num_tokens, start):
     return np.asarray(logits)
 
 
-def test_every_prompt_length_prefilled_chunked_and_decoded(spec, params):
+def test_every_prompt_length_prefilled_chunked_and_decoded(spec):
+    spec = dataclasses.replace(spec, n_layers=1)
+    params = init_params(spec, 0)
     lengths = np.arange(1, spec.max_len)  # the decode after the longest writes position max_len-1
     w = make_workload(lengths, np.full(len(lengths), 2))
     prompts = w.prompts(spec.vocab_size, spec.max_len)

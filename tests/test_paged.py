@@ -137,13 +137,13 @@ def test_budget_below_one_request_names_the_smallest_that_works():
     prompts, budgets = [80, 90], [5, 20]  # whole needs: 84 -> 96 and 109 -> 112 positions
     with pytest.raises(ConfigError) as err:
         _run(MemoryConfig(layout="paged", budget_tokens=64, block_size=16), prompts, budgets)
-    # The test model keeps 512 bytes of KV per position: 96 positions are 0.0469 MiB.
+    # The test model keeps 256 bytes of KV per position: 96 positions are 0.0234 MiB.
     assert str(err.value) == (
         "memory.budget_tokens=64 is not valid: it holds 64 KV positions but the smallest request "
-        "needs 96: use at least 0.0469 MiB (budget_tokens=96); 0.0547 MiB fits every request"
+        "needs 96: use at least 0.0234 MiB (budget_tokens=96); 0.0273 MiB fits every request"
     )
-    with pytest.raises(ConfigError, match=r"^memory.budget_mib=0.03125 is not valid"):
-        _run(MemoryConfig(layout="paged", budget_mib=0.03125), prompts, budgets)
+    with pytest.raises(ConfigError, match=r"^memory.budget_mib=0.015625 is not valid"):
+        _run(MemoryConfig(layout="paged", budget_mib=0.015625), prompts, budgets)
 
 
 def test_request_over_the_whole_budget_is_rejected_and_the_rest_finish():

@@ -17,9 +17,11 @@ from jaxbatch.model.transformer import init_params
 from jaxbatch.run import simulate
 from jaxbatch.train import train
 from jaxbatch.workload import from_config
-from tests.conftest import TEST_MODEL, make_config
+from tests.conftest import MODEL_LAYERS, TEST_MODEL, make_config
 
-SPEC = TEST_MODEL.spec()
+# Two layers: one learns the tasks too slowly for a short training.
+MODEL = dataclasses.replace(TEST_MODEL, n_layers=MODEL_LAYERS)
+SPEC = MODEL.spec()
 STEPS = 600
 
 
@@ -58,7 +60,7 @@ def test_a_short_training_lowers_the_held_out_loss(trained):
 
 def _task_run(checkpoint, policy, memory, num_slots):
     cfg = make_config(policy, num_slots=num_slots, clock="passes")
-    cfg.model = dataclasses.replace(cfg.model, checkpoint=str(checkpoint), eos_id=tasks.EOS)
+    cfg.model = dataclasses.replace(MODEL, checkpoint=str(checkpoint), eos_id=tasks.EOS)
     cfg.workload = WorkloadConfig(kind="task", num_requests=10, max_digits=4, seed=5)
     cfg.memory, cfg.policy.token_budget = memory, 16
     validate(cfg)
