@@ -181,7 +181,7 @@ def model_params(cfg: Config) -> dict:
 
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
-    resolve_auto(cfg)  # engine.clock=auto: the simulator prices its passes
+    resolve_auto(cfg)  # engine.clock and engine.loop `auto`: the backend's own (`_prepare` too)
     mixed_rows = 0  # the most rows of a mixed pass: the token budget's bucket
     if cfg.policy.name in BUDGETED:
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
@@ -200,7 +200,6 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
 def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     """Everything a run needs: (policy, params, state, backend, memory, shapes, fed), where
     `shapes` is what the host loop warms up and `fed` the tokens the run's passes feed at most."""
-    resolve_auto(cfg)  # engine.clock and engine.loop: the backend's own
     e = cfg.engine
     use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)

@@ -40,6 +40,9 @@ COMMON = [
 ]
 
 
+CACHE: list[str] = []  # the module's compile cache, as an override (`_cache`)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _cache(tmp_path_factory):
     """One compile cache for the module's processes (what a user's default, `user`, does): a
@@ -48,9 +51,6 @@ def _cache(tmp_path_factory):
     CACHE.append(f"engine.compile_cache={tmp_path_factory.mktemp('xla')}")
     yield
     CACHE.clear()
-
-
-CACHE: list[str] = []
 
 
 def _start(args: list[str]) -> subprocess.Popen:

@@ -240,10 +240,14 @@ def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd)
                        priority=priority)  # fmt: skip
     status = rng.choice([WAITING, RUNNING, PREEMPTED, FINISHED], n)
     state = state.replace(status=jnp.asarray(status, jnp.int32), now=jnp.float32(2.0))
-    queued = ((status == WAITING) | (status == PREEMPTED)) & (arrival <= 2.0)
-    head = np.where(queued, np.where(status == PREEMPTED, 0, 1), 2)
     key = {"fcfs": np.zeros(n), "spf": prompt, "priority": -priority}[queue]
-    want = np.lexsort((np.arange(n), arrival, key, head))[:slots]
+
+    def order(now):
+        queued = ((status == WAITING) | (status == PREEMPTED)) & (arrival <= now)
+        head = np.where(queued, np.where(status == PREEMPTED, 0, 1), 2)
+        return np.lexsort((np.arange(n), arrival, key, head))[:slots]
+
+    want = order(2.0)
     got = np.asarray(jax.jit(queue_head, static_argnums=1)(state, queue))
     np.testing.assert_array_equal(got[: min(n, slots)], want)
     assert (got[n:] == 0).all()
@@ -252,9 +256,18 @@ def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd)
     # a count ranks them all, or none for 0.
     heads = jax.jit(jax.vmap(queue_head, (None, None, 0)), static_argnums=1)
     most = min(n, slots)
+    # The states batched too, as a sweep's members each rank their own queue: rows of keys,
+    # member r at its own clock (r mod 4: other requests arrived).
+    members = jax.jit(jax.vmap(queue_head, (0, None, 0)), static_argnums=1)
+    nows = np.arange(most + 1) % 4
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (most + 1, *x.shape)), state)
+    stacked = stacked.replace(now=jnp.asarray(nows, jnp.float32))
+    wants = [order(now) for now in nows]
     for top in range(most + 1):  # the batch's largest count: every tier in turn
         counts = np.minimum(np.arange(most + 1), top).astype(np.int32)
-        batched = np.asarray(heads(state, queue, counts))
-        assert ((0 <= batched) & (batched < n)).all()
-        for row, count in enumerate(counts):
-            np.testing.assert_array_equal(batched[row][:count], want[:count])
+        for batched, expected in ((heads(state, queue, counts), [want] * len(counts)),
+                                  (members(stacked, queue, counts), wants)):  # fmt: skip
+            batched = np.asarray(batched)
+            assert ((0 <= batched) & (batched < n)).all()
+            for row, count in enumerate(counts):
+                np.testing.assert_array_equal(batched[row][:count], expected[row][:count])
