@@ -146,6 +146,15 @@ def test_a_run_past_max_passes_is_refused_not_cut_short(groups):
         run_device(policy, params, states[0], sim, 10)
     with pytest.raises(RuntimeError, match=r"sweep member \d did not end within max_passes=10"):
         run_sweep(policy, [params] * 3, states, [sim] * 3, 10, groups)
+    # The limit itself is allowed: a run of exactly max_passes passes ends and is returned, in a
+    # sweep too, where the other members end with fewer passes (and more idle iterations).
+    needed = [run_device(policy, params, st, sim, 1000).record.num_passes for st in states]
+    assert len(set(needed)) > 1
+    assert run_device(policy, params, states[0], sim, needed[0]).record.num_passes == needed[0]
+    with pytest.raises(RuntimeError, match=f"did not end within max_passes={needed[0] - 1}"):
+        run_device(policy, params, states[0], sim, needed[0] - 1)
+    swept = run_sweep(policy, [params] * 3, states, [sim] * 3, max(needed), groups)
+    assert [r.record.num_passes for r in swept] == needed
 
 
 def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
