@@ -223,7 +223,7 @@ def run_device(
     if window:
         state = times.rebase(state, 0.0)
 
-    def segment(consts, carry, end, warm):
+    def segment(params, consts, carry, end, warm):
         step = partial(_step, policy, params, backend, consts, size, warm, window)
 
         def live(c):
@@ -241,20 +241,27 @@ def run_device(
         return (st, *carry[1:3], clock, *carry[4:6], jnp.float32(_INF))
 
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    carry = jax.jit(partial(_start, max_passes=size))(state, backend.carry())
+    carry = _start_jit(state, backend.carry(), max_passes=size)
     # The carry keeps its placement across segments (on a mesh, the cache's sharding); XLA
     # would otherwise choose the outputs' and the next segment's inputs would not match.
     placed = jax.tree.map(lambda x: x.sharding, carry)
-    run = jax.jit(segment, donate_argnums=1, out_shardings=placed)
-    run = run.lower(consts, carry, jnp.int32(0), False).compile()
+    args = (params, consts, carry, jnp.int32(0), False)
+    key = backend.program_key and (policy, backend.program_key, size, window, _avals(args))
+    run = _programs.get(key) if key else None
+    if run is None:
+        run = jax.jit(segment, donate_argnums=2, out_shardings=placed).lower(*args).compile()
+        if key:
+            _programs[key] = run
+            while len(_programs) > PROGRAMS_KEPT:
+                del _programs[next(iter(_programs))]
     if backend.num_branches:
         # Warm-up runs branch p at pass p on a copy of the run's start (the token buffer too).
         # The K/V it leaves in the cache sit at stale positions, which no pass reads (each reads
         # only what its slot's request has written); the run then starts from `state`.
         scratch = jax.tree.map(jnp.copy, (state, carry[1][1:]))
         warm = (scratch[0], (carry[1][0], *scratch[1]), *carry[2:])
-        warm = run(consts, warm, jnp.int32(backend.num_branches), True)
-        carry = jax.jit(partial(_start, max_passes=size))(state, (warm[1][0], *carry[1][1:]))
+        warm = run(params, consts, warm, jnp.int32(backend.num_branches), True)
+        carry = _start_jit(state, (warm[1][0], *carry[1][1:]), max_passes=size)
         jax.block_until_ready(carry)
     warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
     compiles_warm = num_compiles()
@@ -271,7 +278,7 @@ def run_device(
 
     while not stop():
         t_segment = time.perf_counter()
-        carry = run(consts, carry, jnp.int32(min(p + length, size)), False)
+        carry = run(params, consts, carry, jnp.int32(min(p + length, size)), False)
         p_next, done = int(carry[2]), bool(carry[4])  # waits for the segment
         if progress:
             bar.n = int(np.asarray(carry[0].num_generated).sum())
@@ -303,6 +310,30 @@ def run_device(
     counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
               cache_hits() - hits0, wall_s)  # fmt: skip
     return _result(cols, final, backend, unit, counts, interrupted)
+
+
+_start_jit = jax.jit(_start, static_argnames="max_passes")
+# A simulated run's compiled segment, kept for the next run of the same program (the policy, the
+# backend's `program_key`, the buffer, the clock's window and the inputs' shapes, dtypes and
+# placements: a run's state and params are its inputs), so runs one after another in a process
+# (a basic multirun, a notebook, calibration) compile once; the oldest beyond PROGRAMS_KEPT go.
+# The runner's step holds its model and compiles for each run (`program_key` None).
+_programs: dict = {}
+PROGRAMS_KEPT = 8
+
+
+def _avals(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(
+        (np.shape(x), x.dtype if hasattr(x, "dtype") else np.result_type(x),
+         getattr(x, "sharding", None))
+        for x in leaves
+    )  # fmt: skip
+
+
+def clear_programs() -> None:
+    """Forget the kept segments (tests drop their compiled programs module by module)."""
+    _programs.clear()
 
 
 def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, interrupted=False):

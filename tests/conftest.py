@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jaxbatch.run
+from jaxbatch import device_loop
 from jaxbatch.backend import compilation, executables
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
@@ -46,6 +47,7 @@ def _fresh_compilations():
     yield
     jax.clear_caches()
     executables.clear()
+    device_loop.clear_programs()
 
 
 @pytest.fixture(autouse=True, scope="session")

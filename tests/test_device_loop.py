@@ -204,3 +204,35 @@ def test_a_sweep_over_traced_knobs_and_paged_budgets_equals_its_runs_one_by_one(
         np.testing.assert_array_equal(member.final.status, alone.final.status)
     assert preempted > 0
     assert len({r.record.num_passes for r in together}) == len(cfgs)
+
+
+def test_a_simulated_run_of_a_program_already_compiled_compiles_nothing_and_runs_alike():
+    """Runs one after another in a process share a simulator's compiled device loop (a run's
+    state and knobs are its inputs): the second compiles nothing and equals the same run on a
+    freshly compiled program; another token budget (another bucket) compiles its own."""
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", loop="device")
+    cfg.policy.token_budget = 64
+    first = make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS)
+    later = make_workload(PROMPTS[::-1], BUDGETS, arrival=np.array(ARRIVALS) * 3)
+
+    def afresh():  # forget the kept programs, and JAX's: the next run compiles
+        loop_module.clear_programs()
+        jax.clear_caches()
+
+    afresh()
+    assert simulate(cfg, first).num_compiles > 0
+    again = simulate(cfg, later)
+    assert again.num_compiles == 0
+    cfg.policy.long_prefill_threshold = 16  # a traced knob: the same program
+    knob = simulate(cfg, later)
+    assert knob.num_compiles == 0
+    for kept, threshold in ((again, 0), (knob, 16)):
+        afresh()
+        cfg.policy.long_prefill_threshold = threshold
+        fresh = simulate(cfg, later)
+        assert fresh.num_compiles > 0
+        for field in (*RECORD_FIELDS, "start"):
+            np.testing.assert_array_equal(getattr(kept.record, field), getattr(fresh.record, field))
+    assert not np.array_equal(again.record.num_tokens, knob.record.num_tokens)
+    cfg.policy.token_budget = 256  # the mixed passes' top row bucket is the program's
+    assert simulate(cfg, later).num_compiles > 0

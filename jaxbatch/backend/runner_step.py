@@ -38,6 +38,8 @@ def _pad_rows(x, width: int):
 class RunnerStep:
     """The device loop's backend for a Runner whose requests need at most `longest` positions."""
 
+    program_key = None  # its program holds the model: compiled for each run (`run_device`)
+
     def __init__(self, runner: Runner, longest: int):
         self.runner, self.buckets = runner, runner.buckets
         b, min_len = runner.num_slots, runner.buckets.min_len

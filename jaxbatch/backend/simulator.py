@@ -31,6 +31,9 @@ class Simulator:
         min_context: int = 0,
     ):
         self.buckets = Buckets(num_slots, max_len, min_bucket, mixed_rows, min_context)
+        # What the device step's program depends on: runs with equal keys share their compiled
+        # device loop (`device_loop.run_device`).
+        self.program_key = (Simulator, self.buckets, priced and (spec, *priced))
         self._tokens = jnp.zeros(num_slots, jnp.int32)
         self._price = self.price_plan = None
         if priced is not None:
