@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.engine import run
-from jaxbatch.sched.policies import PolicyParams, make_policy, queue_head
+from jaxbatch.sched.blocks import MemorySpec
+from jaxbatch.sched.policies import PolicyParams, admit, make_policy, queue_head
 from jaxbatch.sched.state import FINISHED, PREEMPTED, PREFILL, RUNNING, WAITING, init_state
 
 N = 12  # fixed, so the jitted policies compile once per slot count
@@ -251,23 +252,51 @@ def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd)
     got = np.asarray(jax.jit(queue_head, static_argnums=1)(state, queue))
     np.testing.assert_array_equal(got[: min(n, slots)], want)
     assert (got[n:] == 0).all()
-    # Vmapped, ranked only as far as each member admits: the first `count` exact at every top-k
-    # tier (the batch takes the tier of its largest count), the rest valid ids. Alone (above)
-    # a count ranks them all, or none for 0.
-    heads = jax.jit(jax.vmap(queue_head, (None, None, 0)), static_argnums=1)
-    most = min(n, slots)
-    # The states batched too, as a sweep's members each rank their own queue: rows of keys,
-    # member r at its own clock (r mod 4: other requests arrived).
-    members = jax.jit(jax.vmap(queue_head, (0, None, 0)), static_argnums=1)
-    nows = np.arange(most + 1) % 4
-    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (most + 1, *x.shape)), state)
-    stacked = stacked.replace(now=jnp.asarray(nows, jnp.float32))
-    wants = [order(now) for now in nows]
-    for top in range(most + 1):  # the batch's largest count: every tier in turn
-        counts = np.minimum(np.arange(most + 1), top).astype(np.int32)
-        for batched, expected in ((heads(state, queue, counts), [want] * len(counts)),
-                                  (members(stacked, queue, counts), wants)):  # fmt: skip
-            batched = np.asarray(batched)
-            assert ((0 <= batched) & (batched < n)).all()
-            for row, count in enumerate(counts):
-                np.testing.assert_array_equal(batched[row][:count], expected[row][:count])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 30), st.sampled_from([1, 3, 6, 12]),
+    st.sampled_from(["fcfs", "spf", "priority"]), st.sampled_from(["none", "max_len", "exact"]),
+    st.randoms(use_true_random=False),
+)  # fmt: skip
+def test_a_vmapped_admission_at_every_width_equals_each_member_admitted_alone(
+    n, slots, queue, memory, rnd
+):
+    """A sweep's members admit at one width, the batch's (`policies._admission`: 0, 1, 2, 8 or
+    every slot, by the largest count any member admits): each member's state equals its own
+    admission alone, field for field, whatever the widest member, each member with its own
+    clock, free slots, queue and memory left."""
+    rng = np.random.default_rng(rnd.randrange(2**32))
+    m = 6
+    budget_tokens = int(rng.integers(8, 200))
+    mem = None if memory == "none" else MemorySpec(budget_tokens, 64, "contiguous", memory)
+    prompt, budget = rng.integers(1, 30, n), rng.integers(1, 30, n)
+    state = init_state(rng.integers(0, 4, n).astype(float), prompt, budget, np.zeros(n, bool),
+                       slots, priority=rng.integers(0, 3, n), memory=mem)  # fmt: skip
+    members = []
+    for r in range(m):
+        status = rng.choice([WAITING, PREEMPTED, FINISHED, RUNNING], n, p=[0.5, 0.2, 0.1, 0.2])
+        holders = np.flatnonzero(status == RUNNING)[:slots]
+        status[(status == RUNNING)] = FINISHED
+        status[holders] = RUNNING
+        slot_req = np.full(slots, -1)
+        slot_req[rng.permutation(slots)[: len(holders)]] = holders
+        members.append(state.replace(
+            status=jnp.asarray(status, jnp.int32), slot_req=jnp.asarray(slot_req, jnp.int32),
+            num_generated=jnp.asarray(rng.integers(0, 3, n), jnp.int32),
+            reserved=jnp.asarray(np.where(status == RUNNING, 4, 0), jnp.int32),
+            now=jnp.float32(r % 4), step=jnp.int32(r),
+        ))  # fmt: skip
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *members)
+    params = PolicyParams()
+    alone = jax.jit(admit, static_argnums=3)
+    batched = jax.jit(jax.vmap(admit, (0, 0, None, None)), static_argnums=3)
+    for top in sorted({0, 1, 2, 3, 8, 9, slots}):  # the widest member: every width in turn
+        limits = np.minimum(rng.integers(0, slots + 1, m), top)
+        limits[0] = top
+        got = batched(stacked, jnp.asarray(limits, jnp.int32), params, queue)
+        for r in range(m):
+            want = alone(members[r], jnp.int32(limits[r]), params, queue)
+            for field in ("slot_req", "slot", "status", "admit_order", "reserved"):
+                np.testing.assert_array_equal(getattr(got, field)[r], getattr(want, field))

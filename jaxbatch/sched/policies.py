@@ -89,75 +89,50 @@ def memory_room(state: SchedState, params: PolicyParams) -> Array:
     return jnp.int32(mem.budget_tokens) - state.reserved.sum()
 
 
-def queue_head(state: SchedState, queue: str, count: Array | None = None) -> Array:
-    """[B] the first B request ids in admission order (0 past the last request): queued requests
-    first (preempted ones at the head), then by `queue`'s rank (its key, arrival, id). With
-    `count`, only the first `count` are exact (the rest are valid ids), which is cheaper
-    (`_first`).
+def queue_key(state: SchedState, queue: str) -> Array:
+    """[N] each request's place in admission order, as one integer: queued requests first
+    (preempted ones at the head), then by `queue`'s rank (its key, arrival, id). Distinct, below
+    3N.
 
     fcfs: arrival order. No starvation: a request waits only for those that arrived before it.
     spf: shortest prompt first. A long prompt can wait forever while shorter ones keep arriving.
     priority: the largest `priority` first. A low-priority request can wait forever likewise.
-
-    One integer key per request, distinct, below 3N: a top-k, exact in float32 up to 2^24 (a
-    sort beyond), where a three-key sort of every request costs a pass far more on XLA's CPU.
     """
-    n, b = state.arrival.shape[0], state.num_slots
+    n = state.arrival.shape[0]
     head = jnp.where(_queued(state), jnp.where(state.status == PREEMPTED, 0, 1), 2)
-    key = head * n + state.rank[QUEUE_ORDERS.index(queue)]
-    return _first(b)(key, jnp.int32(b) if count is None else count)
+    return head * n + state.rank[QUEUE_ORDERS.index(queue)]
 
 
-# The sizes a vmapped queue head is taken at (`_first`): XLA's CPU top-k of 64 rows of 200 keys
+def queue_head(state: SchedState, queue: str) -> Array:
+    """[B] the first B request ids in admission order (`queue_key`; 0 past the last request):
+    a top-k, exact in float32 up to 2^24 (a sort beyond), where a three-key sort of every
+    request costs a pass far more on XLA's CPU."""
+    return _smallest(queue_key(state, queue), state.num_slots)
+
+
+def _smallest(key: Array, k: int) -> Array:
+    """[..., k] the ids of the k smallest of distinct keys below 3N (over the last axis, so rows
+    of keys work alike), in order; ids of 0 past N. Up to BY_MINIMA by successive minima, then
+    a top-k (a sort past float32's exact integers)."""
+    n = key.shape[-1]
+    m = min(k, n)
+    if m == 0:
+        ids = jnp.zeros((*key.shape[:-1], 0), jnp.int32)
+    elif m <= BY_MINIMA and 3 * n * n < 2**31:
+        ids = _minima(key, m)
+    elif 3 * n <= 2**24:
+        ids = jax.lax.top_k(-key.astype(jnp.float32), m)[1]
+    else:
+        ids = jnp.argsort(key, axis=-1)[..., :m]
+    pad = [(0, 0)] * (key.ndim - 1) + [(0, k - m)]
+    return jnp.pad(ids, pad).astype(jnp.int32)
+
+
+# The widths a vmapped admission runs at (`_admission`): XLA's CPU top-k of 64 rows of 200 keys
 # costs about 19 us for k = 1, 23 for 2 and 36 for 8, where k successive minima of the keys cost
 # about 4, 8 and 39 (a loop of 2,000 calls; 2026-12-06). So 1 and 2 by minima, 8 and B by top-k.
-HEAD_TIERS = (1, 2, 8)
-BY_MINIMA = 2  # the largest tier taken by successive minima
-
-
-@cache
-def _first(b: int):
-    """(key [N], count []) -> [B] the ids of the `count` smallest keys in order, then valid ids.
-    One run: a top-k of B when it admits, none when it does not (a `lax.cond`). Under vmap that
-    cond would run the top-k of B for every member on every step, so the batch takes one tier,
-    the smallest (HEAD_TIERS, else B) that holds its largest count, none for 0 (a `lax.switch`
-    on an unbatched index): most of a sweep's steps admit one request or none in any member.
-    The tiers up to BY_MINIMA take successive minima of key x N + id (a plain reduction each,
-    exact in int32 while 3N^2 < 2^31), the rest a top-k. A run alone keeps the cond: with the
-    tiers as a switch there too, the host loop's continuous runs measured 2,253 against 2,467
-    tok/s (medians of 6, interleaved in one process, 2026-12-06), though the jitted schedule
-    alone timed only 5-20 us more a call."""
-    sizes = (0, *(k for k in HEAD_TIERS if k < b), b)
-
-    def smallest(key, k):  # over the last axis, so rows of keys (a batch) work alike
-        n = key.shape[-1]
-        k = min(k, n)
-        if k == 0:
-            ids = jnp.zeros((*key.shape[:-1], 0), jnp.int32)
-        elif k <= BY_MINIMA and 3 * n * n < 2**31:
-            ids = _minima(key, k)
-        elif 3 * n <= 2**24:
-            ids = jax.lax.top_k(-key.astype(jnp.float32), k)[1]
-        else:
-            ids = jnp.argsort(key, axis=-1)[..., :k]
-        pad = [(0, 0)] * (key.ndim - 1) + [(0, b - k)]
-        return jnp.pad(ids, pad).astype(jnp.int32)
-
-    def tier(count):
-        return sum((count > k).astype(jnp.int32) for k in sizes[:-1])
-
-    branches = [partial(smallest, k=k) for k in sizes]
-
-    @jax.custom_batching.custom_vmap
-    def first(key, count):  # one run: a top-k of B, or none
-        return jax.lax.cond(count > 0, branches[-1], branches[0], key)
-
-    @first.def_vmap
-    def _(axis_size, in_batched, key, count):
-        ids = jax.lax.switch(tier(jnp.max(count)), branches, key)
-        return (ids if in_batched[0] else jnp.broadcast_to(ids, (axis_size, b))), True
-
-    return first
+ADMIT_WIDTHS = (1, 2, 8)
+BY_MINIMA = 2  # the largest k taken by successive minima
 
 
 def _minima(key: Array, k: int) -> Array:
@@ -176,23 +151,79 @@ def _minima(key: Array, k: int) -> Array:
 def admit(state: SchedState, limit: Array, params: PolicyParams, queue: str) -> SchedState:
     """Put up to `limit` queued requests into free slots in `queue` order, and only while the
     memory budget grants each its need in that order (a request never skips one ahead of it).
-    Ranks the queue only when it admits (`queue_head` with a count: no top-k when nothing can
-    be admitted), and in a vmapped sweep only as far as its members admit (`_first`)."""
-    n, b = state.arrival.shape[0], state.num_slots
-    queued = _queued(state)
+    Ranks the queue only when it admits, and in a vmapped sweep admits only as wide as its
+    members do (`_admission`)."""
     free = state.slot_req < 0
-    n_admit = jnp.minimum(jnp.minimum(queued.sum(), free.sum()), limit)
-    cand = queue_head(state, queue, n_admit)
-    k = jnp.arange(b)
-    at = jnp.where(free, jnp.cumsum(free) - 1, b)  # free slots first, in slot order
-    free_slots_ = jnp.zeros(b, jnp.int32).at[at].set(k, mode="drop")
+    n_admit = jnp.minimum(jnp.minimum(_queued(state).sum(), free.sum()), limit)
+    return _admission(queue)(state, n_admit, params)
+
+
+@cache
+def _admission(queue: str):
+    """(state, n_admit, params) -> the state with the first n_admit of its queue admitted
+    (`_admit_width`). One run: at the full width B, the queue's top-k only when it admits (a
+    `lax.cond`). Under vmap that cond would run the top-k of B for every member on every
+    step, and every member's admission at width B (its free slots, needs and scatters): so the
+    batch admits at one width, the smallest of ADMIT_WIDTHS (else B) that holds its largest
+    n_admit, none for 0 (a `lax.switch` on an unbatched index); most of a sweep's steps admit
+    one request or none in any member. A run alone keeps the cond: with a switch there too,
+    the host loop's continuous runs measured 2,253 against 2,467 tok/s (medians of 6,
+    interleaved in one process, 2026-12-06), though the jitted schedule alone timed only 5-20
+    us more a call."""
+
+    @jax.custom_batching.custom_vmap
+    def admission(state, n_admit, params):
+        b = state.num_slots
+        key = queue_key(state, queue)
+        none = jnp.zeros(b, jnp.int32)
+        head = jax.lax.cond(n_admit > 0, partial(_smallest, k=b), lambda _: none, key)
+        return _admit_width(state, n_admit, params, head)
+
+    @admission.def_vmap
+    def _(axis_size, in_batched, state, n_admit, params):
+        args = jax.tree.map(
+            lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
+            (state, n_admit, params), tuple(in_batched),
+        )  # fmt: skip
+        b = state.slot_req.shape[-1]
+        widths = (0, *(w for w in ADMIT_WIDTHS if w < b), b)
+
+        def at_width(w, state, n_admit, params):
+            if w == 0:
+                return state
+            head = _smallest(queue_key(state, queue), w)
+            return _admit_width(state, n_admit, params, head)
+
+        branches = [jax.vmap(partial(at_width, w)) for w in widths]
+        tier = sum((jnp.max(n_admit) > w).astype(jnp.int32) for w in widths[:-1])
+        out = jax.lax.switch(tier, branches, *args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return admission
+
+
+def _admit_width(
+    state: SchedState, n_admit: Array, params: PolicyParams, cand: Array
+) -> SchedState:
+    """Admit the first n_admit of `cand` (the queue's first W ids, exact for the first n_admit,
+    n_admit <= W) into the first free slots in slot order, in order, while the memory budget
+    grants each its need. Every array here is W wide."""
+    n, b = state.arrival.shape[0], state.num_slots
+    w = cand.shape[0]
+    k = jnp.arange(w)
+    free = state.slot_req < 0
+    if w <= BY_MINIMA:  # the first w free slots: the smallest of (taken, slot)
+        free_slots_ = _minima(jnp.where(free, 0, 1), w)
+    else:
+        at = jnp.where(free, jnp.cumsum(free) - 1, b)
+        free_slots_ = jnp.zeros(b, jnp.int32).at[at].set(jnp.arange(b), mode="drop")[:w]
     tokens = state.prompt_len[cand] + state.num_generated[cand]
-    need = state.memory.need(tokens, state.max_new[cand]) if state.memory else jnp.zeros(b)
+    need = state.memory.need(tokens, state.max_new[cand]) if state.memory else jnp.zeros(w)
     fits = jnp.cumsum(need) <= memory_room(state, params)
     take = (k < n_admit) & fits
     req = jnp.where(take, cand, n)  # n: out of range, dropped below
     slot_ids = jnp.where(take, free_slots_, b)
-    reserved = jnp.zeros(b, jnp.int32) if state.memory is None or state.memory.paged else need
+    reserved = jnp.zeros(w, jnp.int32) if state.memory is None or state.memory.paged else need
     return state.replace(
         slot_req=state.slot_req.at[slot_ids].set(req, mode="drop"),
         slot=state.slot.at[req].set(free_slots_, mode="drop"),
