@@ -161,15 +161,18 @@ def admit(state: SchedState, limit: Array, params: PolicyParams, queue: str) -> 
 @cache
 def _admission(queue: str):
     """(state, n_admit, params) -> the state with the first n_admit of its queue admitted
-    (`_admit_width`). One run: at the full width B, the queue's top-k only when it admits (a
-    `lax.cond`). Under vmap that cond would run the top-k of B for every member on every
-    step, and every member's admission at width B (its free slots, needs and scatters): so the
-    batch admits at one width, the smallest of ADMIT_WIDTHS (else B) that holds its largest
-    n_admit, none for 0 (a `lax.switch` on an unbatched index); most of a sweep's steps admit
-    one request or none in any member. A run alone keeps the cond: with a switch there too,
-    the host loop's continuous runs measured 2,253 against 2,467 tok/s (medians of 6,
-    interleaved in one process, 2026-12-06), though the jitted schedule alone timed only 5-20
-    us more a call."""
+    (`_choose`, then `_enter`). One run: at the full width B, the queue's top-k only when it
+    admits (a `lax.cond`). Under vmap that cond would run the top-k of B for every member on
+    every step, and every member's admission at width B (its free slots, needs and cumsums):
+    so the batch chooses at one width, the smallest of ADMIT_WIDTHS (else B) that holds its
+    largest n_admit, none for 0 (a `lax.switch` on an unbatched index); most of a sweep's steps
+    admit one request or none in any member. The switch returns the choice padded to B, and
+    the scatters run after it: a switch that returned the state copied its request arrays in
+    and out (24 copies of a [64, 200] array in the 64-member step's program, against 2; the
+    sweep 4-7% faster, 2026-12-06). A run alone keeps the cond: with a switch there too, the
+    host loop's continuous runs measured 2,253 against 2,467 tok/s (medians of 6, interleaved
+    in one process, 2026-12-06), though the jitted schedule alone timed only 5-20 us more a
+    call."""
 
     @jax.custom_batching.custom_vmap
     def admission(state, n_admit, params):
@@ -177,7 +180,7 @@ def _admission(queue: str):
         key = queue_key(state, queue)
         none = jnp.zeros(b, jnp.int32)
         head = jax.lax.cond(n_admit > 0, partial(_smallest, k=b), lambda _: none, key)
-        return _admit_width(state, n_admit, params, head)
+        return _enter(state, _choose(state, n_admit, params, head))
 
     @admission.def_vmap
     def _(axis_size, in_batched, state, n_admit, params):
@@ -189,30 +192,29 @@ def _admission(queue: str):
         widths = (0, *(w for w in ADMIT_WIDTHS if w < b), b)
 
         def at_width(w, state, n_admit, params):
-            if w == 0:
-                return state
             head = _smallest(queue_key(state, queue), w)
-            return _admit_width(state, n_admit, params, head)
+            return _padded(_choose(state, n_admit, params, head), b, state.arrival.shape[0])
 
         branches = [jax.vmap(partial(at_width, w)) for w in widths]
         tier = sum((jnp.max(n_admit) > w).astype(jnp.int32) for w in widths[:-1])
-        out = jax.lax.switch(tier, branches, *args)
+        out = jax.vmap(_enter)(args[0], jax.lax.switch(tier, branches, *args))
         return out, jax.tree.map(lambda _: True, out)
 
     return admission
 
 
-def _admit_width(
-    state: SchedState, n_admit: Array, params: PolicyParams, cand: Array
-) -> SchedState:
-    """Admit the first n_admit of `cand` (the queue's first W ids, exact for the first n_admit,
-    n_admit <= W) into the first free slots in slot order, in order, while the memory budget
-    grants each its need. Every array here is W wide."""
+def _choose(state: SchedState, n_admit: Array, params: PolicyParams, cand: Array) -> tuple:
+    """The first n_admit of `cand` (the queue's first W ids, exact for the first n_admit,
+    n_admit <= W), into the first free slots in slot order, in order, while the memory budget
+    grants each its need: (request, slot, the slot it would take, admission order, reserved),
+    each W wide, a request not admitted as N and its slot as B (dropped by `_enter`)."""
     n, b = state.arrival.shape[0], state.num_slots
     w = cand.shape[0]
     k = jnp.arange(w)
     free = state.slot_req < 0
-    if w <= BY_MINIMA:  # the first w free slots: the smallest of (taken, slot)
+    if w == 0:
+        free_slots_ = k
+    elif w <= BY_MINIMA:  # the first w free slots: the smallest of (taken, slot)
         free_slots_ = _minima(jnp.where(free, 0, 1), w)
     else:
         at = jnp.where(free, jnp.cumsum(free) - 1, b)
@@ -221,15 +223,30 @@ def _admit_width(
     need = state.memory.need(tokens, state.max_new[cand]) if state.memory else jnp.zeros(w)
     fits = jnp.cumsum(need) <= memory_room(state, params)
     take = (k < n_admit) & fits
-    req = jnp.where(take, cand, n)  # n: out of range, dropped below
+    req = jnp.where(take, cand, n)  # n: out of range, dropped by `_enter`
     slot_ids = jnp.where(take, free_slots_, b)
     reserved = jnp.zeros(w, jnp.int32) if state.memory is None or state.memory.paged else need
+    return req, slot_ids, free_slots_, state.step * b + k, reserved.astype(jnp.int32)
+
+
+def _padded(choice: tuple, b: int, n: int) -> tuple:
+    """A choice (`_choose`) padded to B wide with what `_enter` drops."""
+    fill = (n, b, 0, 0, 0)
+    return tuple(
+        jnp.pad(x.astype(jnp.int32), (0, b - x.shape[0]), constant_values=f)
+        for x, f in zip(choice, fill)
+    )
+
+
+def _enter(state: SchedState, choice: tuple) -> SchedState:
+    """The chosen requests (`_choose`) into their slots: running, in admission order."""
+    req, slot_ids, free_slots_, order, reserved = choice
     return state.replace(
         slot_req=state.slot_req.at[slot_ids].set(req, mode="drop"),
         slot=state.slot.at[req].set(free_slots_, mode="drop"),
         status=state.status.at[req].set(RUNNING, mode="drop"),
-        admit_order=state.admit_order.at[req].set(state.step * b + k, mode="drop"),
-        reserved=state.reserved.at[req].set(reserved.astype(jnp.int32), mode="drop"),
+        admit_order=state.admit_order.at[req].set(order, mode="drop"),
+        reserved=state.reserved.at[req].set(reserved, mode="drop"),
     )
 
 
