@@ -136,8 +136,8 @@ BY_MINIMA = 2  # the largest k taken by successive minima
 
 
 def _minima(key: Array, k: int) -> Array:
-    """The ids of the k smallest of distinct keys below 3N (over the last axis), in order: k
-    successive minima of key x N + id, each the id of its minimum in its low digits."""
+    """The ids of the k smallest keys below 3N (over the last axis), in order, ties by id: k
+    successive minima of key x N + id (distinct), each the id of its minimum in its low digits."""
     n = key.shape[-1]
     coded = key * n + jnp.arange(n, dtype=jnp.int32)
     ids = []
