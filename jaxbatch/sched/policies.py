@@ -169,7 +169,7 @@ def _admission(queue: str):
     admit one request or none in any member. The switch returns the choice padded to B, and
     the scatters run after it: a switch that returned the state copied its request arrays in
     and out (24 copies of a [64, 200] array in the 64-member step's program, against 2; the
-    sweep 4-7% faster, 2026-12-06). A run alone keeps the cond: with a switch there too, the
+    sweep 1-7% faster, 2026-12-06). A run alone keeps the cond: with a switch there too, the
     host loop's continuous runs measured 2,253 against 2,467 tok/s (medians of 6, interleaved
     in one process, 2026-12-06), though the jitted schedule alone timed only 5-20 us more a
     call."""
