@@ -6,13 +6,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.engine import run
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.policies import PolicyParams, admit, make_policy, queue_head
+from jaxbatch.sched.policies import PolicyParams, admit, make_policy, queue_head, release
 from jaxbatch.sched.state import FINISHED, PREEMPTED, PREFILL, RUNNING, WAITING, init_state
 
 N = 12  # fixed, so the jitted policies compile once per slot count
@@ -300,3 +301,38 @@ def test_a_vmapped_admission_at_every_width_equals_each_member_admitted_alone(
             want = alone(members[r], jnp.int32(limits[r]), params, queue)
             for field in ("slot_req", "slot", "status", "admit_order", "reserved"):
                 np.testing.assert_array_equal(getattr(got, field)[r], getattr(want, field))
+
+
+def test_release_frees_only_the_masked_slots_requests():
+    """An unmasked slot's request index once was -1, which JAX's scatter wraps to the last
+    request: every release cleared request N-1's slot and reservation while it ran."""
+    mem = MemorySpec(200, 64, "contiguous", "exact")
+    state = init_state(np.zeros(3), [40, 40, 10], [10, 10, 50], np.zeros(3, bool), 2, memory=mem)
+    state = state.replace(
+        slot_req=jnp.array([2, 0], jnp.int32), slot=jnp.array([1, -1, 0], jnp.int32),
+        status=jnp.array([RUNNING, WAITING, RUNNING], jnp.int32),
+        reserved=jnp.array([50, 0, 60], jnp.int32),
+    )  # fmt: skip
+    for mask, slot, reserved in (([False, True], [-1, -1, 0], [0, 0, 60]),
+                                 ([False, False], [1, -1, 0], [50, 0, 60]),
+                                 ([True, True], [-1, -1, -1], [0, 0, 0])):  # fmt: skip
+        out = jax.jit(release)(state, jnp.array(mask))
+        np.testing.assert_array_equal(np.asarray(out.slot), slot)
+        np.testing.assert_array_equal(np.asarray(out.reserved), reserved)
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
+def test_the_last_request_keeps_its_reservation_while_it_runs(policy):
+    """Shortest prompt first admits request N-1 first; its exact reservation (60 of 100
+    positions) must keep the others (50 each) out until it ends: at every pass the reserved
+    positions are the held requests' needs, within the budget."""
+    prompt, budget = np.array([40, 40, 10]), np.array([10, 10, 50])
+    mem = MemorySpec(100, 64, "contiguous", "exact")
+    state = init_state(np.zeros(3), prompt, budget, np.zeros(3, bool), 2, memory=mem)
+    res = run(make_policy(policy, "spf"), PolicyParams(), state, Simulator(2, 128), [],
+              clock="passes")  # fmt: skip
+    holder = res.record.holder
+    held = np.where(holder >= 0, (prompt + budget)[np.maximum(holder, 0)], 0).sum(axis=1)
+    np.testing.assert_array_equal(res.record.kv_reserved, held)
+    assert held.max() <= 100
+    assert (np.asarray(res.final.status) == FINISHED).all()

@@ -66,8 +66,9 @@ def _next_arrival(state: SchedState) -> Array:
 
 
 def release(state: SchedState, mask: Array) -> SchedState:
-    """Free the slots in mask [B] and their memory; their requests keep their status."""
-    req = jnp.where(mask, state.slot_req, -1)
+    """Free the slots in mask [B] and their memory; their requests keep their status. The other
+    slots scatter to N, out of range and dropped (an index of -1 would wrap to request N-1)."""
+    req = jnp.where(mask & (state.slot_req >= 0), state.slot_req, state.arrival.shape[0])
     table, pool = free_slots(state.block_table, state.block_free, mask)
     return state.replace(
         slot=state.slot.at[req].set(-1, mode="drop"),
