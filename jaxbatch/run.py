@@ -181,7 +181,7 @@ def model_params(cfg: Config) -> dict:
 
 def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logits: bool = False):
     e, spec = cfg.engine, cfg.model.spec()
-    resolve_auto(cfg)  # engine.clock and engine.loop `auto`: the backend's own (`_prepare` too)
+    resolve_auto(cfg)  # engine.clock and engine.loop `auto`: the backend's own
     mixed_rows = 0  # the most rows of a mixed pass: the token budget's bucket
     if cfg.policy.name in BUDGETED:
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)

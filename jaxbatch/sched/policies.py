@@ -104,17 +104,11 @@ def queue_key(state: SchedState, queue: str) -> Array:
     return head * n + state.rank[QUEUE_ORDERS.index(queue)]
 
 
-def queue_head(state: SchedState, queue: str) -> Array:
-    """[B] the first B request ids in admission order (`queue_key`; 0 past the last request):
-    a top-k, exact in float32 up to 2^24 (a sort beyond), where a three-key sort of every
-    request costs a pass far more on XLA's CPU."""
-    return _smallest(queue_key(state, queue), state.num_slots)
-
-
 def _smallest(key: Array, k: int) -> Array:
     """[..., k] the ids of the k smallest of distinct keys below 3N (over the last axis, so rows
-    of keys work alike), in order; ids of 0 past N. Up to BY_MINIMA by successive minima, then
-    a top-k (a sort past float32's exact integers)."""
+    of keys work alike), in order; ids of 0 past N: of `queue_key`, the queue's first k. Up to
+    BY_MINIMA by successive minima, then a top-k, exact in float32 up to 2^24 (a sort beyond),
+    where a three-key sort of every request costs a pass far more on XLA's CPU."""
     n = key.shape[-1]
     m = min(k, n)
     if m == 0:

@@ -119,8 +119,8 @@ def init_state(
 def queue_ranks(arrival: np.ndarray, prompt_len: np.ndarray, priority: np.ndarray) -> np.ndarray:
     """[len(QUEUE_ORDERS), N] each request's place in each queue order, ties broken by arrival,
     then by id: fcfs by arrival; spf by prompt length; priority by the largest priority. None of
-    these keys changes during a run, so a pass ranks its queue by one integer (`queue_head`)
-    instead of sorting three keys."""
+    these keys changes during a run, so a pass ranks its queue by one integer
+    (`policies.queue_key`) instead of sorting three keys."""
     n = len(arrival)
     ids = np.arange(n)
     keys = {"fcfs": np.zeros(n), "spf": np.asarray(prompt_len), "priority": -np.asarray(priority)}
