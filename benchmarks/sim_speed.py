@@ -73,20 +73,28 @@ def main() -> None:
     for name, states in sweeps.items():
         fed = max(int(np.asarray(st.prompt_len).sum() + np.asarray(st.max_new).sum())
                   for st in states) + 16  # fmt: skip
-        seconds = {"alone": [], "groups": [], "one": []}
+        seconds = {"alone": [], "groups": [], "one": [], "alone whole": [], "groups whole": []}
         for _ in range(args.repeats):  # interleaved rounds: the machine's drift hits all three
+            t0 = time.perf_counter()
             alone = [run_device(policy, params, st, backend, fed) for st in states]
+            t1 = time.perf_counter()
             together = run_sweep(policy, [params] * args.members, states,
                                  [backend] * args.members, fed, groups)  # fmt: skip
+            t2 = time.perf_counter()
             one = run_sweep(policy, [params] * args.members, states, [backend] * args.members,
                             fed, 1)  # fmt: skip
             seconds["alone"].append(sum(r.wall_s for r in alone))
             seconds["groups"].append(together[0].wall_s)
             seconds["one"].append(one[0].wall_s)
+            # whole calls less their warm-up: the loops and the results built from their records
+            seconds["alone whole"].append(t1 - t0 - sum(r.warmup_s for r in alone))
+            seconds["groups whole"].append(t2 - t1 - together[0].warmup_s)
         counts = [r.record.num_passes for r in alone]
         passes = sum(counts)
         assert passes == sum(r.record.num_passes for r in together)
-        sequential, vmapped, single = (median(seconds[k]) for k in ("alone", "groups", "one"))
+        sequential, vmapped, single, whole_seq, whole_vm = (
+            median(seconds[k]) for k in ("alone", "groups", "one", "alone whole", "groups whole")
+        )
         compile_s = sum(r.warmup_s for r in alone)
         print(f"{args.members} members over {name}, {passes} passes in all (the longest member "
               f"{max(counts) / np.mean(counts):.2f}x the mean: a group's members step together "
@@ -94,7 +102,9 @@ def main() -> None:
               f"({passes / sequential:,.0f} passes/s; compiles {compile_s:.1f} s apart), vmapped "
               f"in {groups} group(s) {vmapped:.2f} s ({passes / vmapped:,.0f} passes/s; compile "
               f"{together[0].warmup_s:.1f} s apart): {sequential / vmapped:.1f}x; as one group "
-              f"{single:.2f} s: {sequential / single:.1f}x")  # fmt: skip
+              f"{single:.2f} s: {sequential / single:.1f}x; with the results built from the "
+              f"records (whole calls less their warm-up): one by one {whole_seq:.2f} s, vmapped "
+              f"{whole_vm:.2f} s: {whole_seq / whole_vm:.1f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -140,26 +140,28 @@ def device_loop(
 
 
 def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: PolicyParams,
-                  consts, carry, rec: dict, floor, steps):  # fmt: skip
+                  consts, carry, rec: dict, start, floor, steps):  # fmt: skip
     """One segment of a sweep: every member (carries, params and backend consts stacked on a
-    leading axis) steps, vmapped, for at most the record's length of iterations, until each has
-    ended, or until no more than `floor` are still stepping, or for `steps` iterations at most.
-    Iteration i writes row i of the record (`_sweep_record`: iterations first, then members,
-    so a row is one contiguous update, where rows at each member's own pass count would be a
-    scatter), its `ran` marking the members whose iteration was a pass; the host then drains
-    the record and narrows the sweep to the members still running (`run_sweep`). Returns the
-    iterations run, the carry and the record. An ended member stays as it is (`_advance`); once
-    a member reaches max_passes the segment ends, and the host refuses the sweep."""
+    leading axis) steps, vmapped, until each has ended, or until no more than `floor` are still
+    stepping, or for `steps` iterations at most, or until the record is full. The record
+    (`_sweep_record`) is flat, a row per member and iteration: iteration i writes the W members'
+    rows at `start` + i x W, one contiguous update (rows at each member's own pass count would
+    be a scatter), its `ran` marking the members whose iteration was a pass. So one record
+    serves every width a sweep narrows to, and the host drains it only when it is full or the
+    sweep has ended (`_step_lanes`). Returns the iterations run, the carry and the record. An
+    ended member stays as it is (`_advance`); once a member reaches max_passes the segment
+    ends, and the host refuses the sweep."""
     advance = jax.vmap(
         lambda pp, k, c: _advance(policy, pp, backend, k, max_passes, False, None, c)
     )
-    size = rec["slots"].shape[0]
+    width = carry[2].shape[0]
+    room = (rec["slots"].shape[0] - start) // width  # iterations the record still holds
 
     def live(loop):
         i, c, _ = loop
         stepping = jax.vmap(partial(_live, max_passes))(c)
         full = (c[2] >= max_passes).any()  # the host then stops: a run that did not end
-        return (i < jnp.minimum(steps, size)) & stepping.any() & (stepping.sum() > floor) & ~full
+        return (i < jnp.minimum(steps, room)) & stepping.any() & (stepping.sum() > floor) & ~full
 
     def body(loop):
         i, c, rec = loop
@@ -167,7 +169,8 @@ def sweep_segment(policy: Policy, backend: Simulator, max_passes: int, params: P
         row = row | {"ran": ran}
         packed = {part: jnp.stack([row[k].astype(rec[part].dtype) for k in fields], axis=1)
                   for part, fields in _SWEEP_PARTS.items()}  # fmt: skip
-        rec = {k: jax.lax.dynamic_update_index_in_dim(rec[k], packed[k], i, 0) for k in rec}
+        at = start + i * width
+        rec = {k: jax.lax.dynamic_update_slice_in_dim(rec[k], packed[k], at, 0) for k in rec}
         return i + 1, c, rec
 
     return jax.lax.while_loop(live, body, (jnp.int32(0), carry, rec))
@@ -182,17 +185,19 @@ _SWEEP_PARTS = {
 }
 
 
-def _sweep_record(size: int, width: int, num_slots: int) -> dict:
-    """A sweep's record buffer (`_SWEEP_PARTS`): `size` iterations x `width` members."""
-    slots = jnp.zeros((size, width, len(SLOT_FIELDS), num_slots), jnp.int32)
-    counts = jnp.zeros((size, width, len(_SWEEP_PARTS["counts"])), jnp.int32)
-    return {"slots": slots, "counts": counts, "times": jnp.zeros((size, width, 3), jnp.float32)}
+def _sweep_record(rows: int, num_slots: int) -> dict:
+    """A sweep's record buffer (`_SWEEP_PARTS`): `rows` rows, a member's iteration each."""
+    slots = jnp.zeros((rows, len(SLOT_FIELDS), num_slots), jnp.int32)
+    counts = jnp.zeros((rows, len(_SWEEP_PARTS["counts"])), jnp.int32)
+    return {"slots": slots, "counts": counts, "times": jnp.zeros((rows, 3), jnp.float32)}
 
 
-def _unpack(rows: dict, i: int, lane: int) -> dict:
-    """A member's passes (the rows its iterations ran) from a drained sweep record, by field."""
-    ran = rows["counts"][:i, lane, -1] > 0
-    return {k: rows[part][:i, lane, j][ran] for part, fields in _SWEEP_PARTS.items()
+def _unpack(rows: dict, width: int, lane: int) -> dict:
+    """A member's passes (the rows its iterations ran) from a segment's rows of a drained sweep
+    record (iterations x `width` lanes), by field."""
+    at = slice(lane, None, width)
+    ran = rows["counts"][at, -1] > 0
+    return {k: rows[part][at, j][ran] for part, fields in _SWEEP_PARTS.items()
             for j, k in enumerate(fields) if k != "ran"}  # fmt: skip
 
 
@@ -356,7 +361,7 @@ def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, inter
     )  # fmt: skip
 
 
-SWEEP_BYTES = 1 << 26  # record a sweep keeps on the device between drains, all members together
+SWEEP_BYTES = 1 << 28  # record a sweep keeps on the device between drains, all groups together
 MIN_LANES = 8  # a sweep narrows to no fewer members than this
 
 
@@ -413,29 +418,37 @@ def run_sweep(
     the host narrows it to them (`_widths`; an ended member's state is kept), so a sweep of
     members of very different lengths does not step its ended ones to the end. Compilation (one
     program per width, all before the clock starts) counts as every member's warm-up, the loop's
-    wall time as every member's. The device keeps a record of SWEEP_BYTES for all members, a row
-    per iteration (`sweep_segment`); the host drains a group's when its rows are full, and at
-    each narrowing. An ended member steps on unselected (a fixed point, `_advance`)."""
+    wall time as every member's. Each group keeps a flat record on the device (SWEEP_BYTES for
+    all groups, allocated before the clock starts as `run_device`'s buffer is), a row per member
+    and iteration at every width (`sweep_segment`); the host drains it when it is full, and once
+    the loop has ended, as `run_device` drains its buffer. Drained at every narrowing and every
+    64 MB, the records cost the rate sweep of `benchmarks/sim_speed.py` a third of its loop's
+    time (the host's copies of them fill fresh memory, 0.5-2 ms a MB on this VM): 0.219 against
+    0.323 s, seeds 0.130 against 0.153 s (medians of 7 interleaved rounds, 2026-12-06). An
+    ended member steps on unselected (a fixed point, `_advance`)."""
     m, b = len(states), states[0].num_slots
     row_bytes = 4 * (len(SLOT_FIELDS) * b + len(_SWEEP_PARTS["counts"]) + 3)  # a member's row
-    size = int(np.clip(SWEEP_BYTES // (m * row_bytes), 16, max_passes))
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
     g = max(1, min(groups or sweep_groups(m), m))
     split = [np.arange(k, m, g) for k in range(g)]  # member i in group i % g
+    wide = len(split[0])  # the widest group's members: every group's record holds 16 rows of them
+    rows = int(np.clip(SWEEP_BYTES // (g * row_bytes), 16 * wide, max_passes * wide))
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
     start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=0)))
-    record = jax.jit(_sweep_record, static_argnums=(0, 1, 2))
+    record = jax.jit(_sweep_record, static_argnums=(0, 1))
     trees = [
         (stack([params[i] for i in idx]), stack([backends[i].consts() for i in idx]),
-         start(stack([states[i] for i in idx])), record(size, len(idx), b))
+         start(stack([states[i] for i in idx])), record(rows, b))
         for idx in split
     ]  # fmt: skip
     segment = jax.jit(partial(sweep_segment, policy, backend, max_passes), donate_argnums=(2, 3))
-    take = jax.jit(_take, static_argnums=2)
+    take = jax.jit(_take)
     programs, gathers = {}, {}
-    for tree in trees:  # each width once: groups of one size share their programs
-        _compile_widths(segment, take, tree, programs, gathers)
+    # each width once (groups of one size share their programs); the warm-up writes the
+    # record's first rows, which the run writes again before anything reads them
+    trees = [(*tree[:3], _compile_widths(segment, take, tree, programs, gathers))
+             for tree in trees]  # fmt: skip
     warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
     lanes = partial(_step_lanes, programs, gathers, max_passes)
     with ThreadPoolExecutor(len(trees)) as pool:
@@ -444,7 +457,8 @@ def run_sweep(
     counts = (warmup_s, num_compiles() - compiles0, num_compiles() - compiles_warm,
               cache_hits() - hits0, wall_s)  # fmt: skip
     results = [None] * m
-    for idx, (drained, finals) in zip(split, done):
+    for idx, (drained, (rec, segments), finals) in zip(split, done):
+        _drain(jax.device_get(rec), segments, drained)  # the record the group ended with
         for i, member, final in zip(idx, drained, finals):
             if ((final.status != FINISHED) & (final.status != REJECTED)).any():
                 raise RuntimeError(f"sweep member {i} did not end within "
@@ -454,47 +468,62 @@ def run_sweep(
     return results
 
 
-def _take(tree, idx, to: int):
-    """A group narrowed to the lanes `idx` (`to` of them): params, consts and carry gathered, the
-    record fresh (the host has drained it; rows past a segment's iterations are never read)."""
-    pstack, consts, carry, rec = tree
-    size, _, _, b = rec["slots"].shape
-    return (*jax.tree.map(lambda x: x[idx], (pstack, consts, carry)), _sweep_record(size, to, b))
+def _take(tree, idx):
+    """A group's params, consts and carry narrowed to the lanes `idx` (the record is flat, a row
+    per member and iteration, so it serves every width as it is)."""
+    return jax.tree.map(lambda x: x[idx], tree)
 
 
 def _at_width(tree, w: int):
-    """`tree`'s shapes at width w: params, consts and carry lead with the members, the record
-    (`_sweep_record`) with its rows, then the members."""
-    lead = lambda x: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype)  # noqa: E731
-    rows = lambda x: jax.ShapeDtypeStruct((x.shape[0], w, *x.shape[2:]), x.dtype)  # noqa: E731
-    return (*jax.tree.map(lead, tree[:3]), jax.tree.map(rows, tree[3]))
+    """The shapes of `tree` (params, consts and carry, each leading with the members) at width w."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((w, *x.shape[1:]), x.dtype), tree)
 
 
-def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> None:
+def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> dict:
     """Every width's program a group of `tree`'s width steps at, and the gather that narrows
     it to the next, compiled (those not in `programs` and `gathers` yet) and run once each on a
-    copy of the group's start: XLA's first run of a program costs far more than later ones."""
-    tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
-    widths = _widths(len(tree[2][2]))
+    copy of the group's start (XLA's first run of a program costs far more than later ones),
+    writing the record's first rows. Returns the record, which the runs donate."""
+    group, rec = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree[:3]), tree[3]
+    widths = _widths(len(group[2][2]))
+    zero = jnp.int32(0)
     for w, to in zip(widths, widths[1:] + [0]):
         if w not in programs:
-            programs[w] = segment.lower(*_at_width(tree, w), jnp.int32(0), jnp.int32(0)).compile()
-            tree = (*tree[:2], *programs[w](*tree, jnp.int32(0), jnp.int32(1))[1:])
+            programs[w] = segment.lower(*_at_width(group, w), rec, zero, zero, zero).compile()
+            _, carry, rec = programs[w](*group, rec, zero, zero, jnp.int32(1))
+            group = (*group[:2], carry)
         if to:
             if (w, to) not in gathers:
                 idx = np.zeros(to, np.int32)
-                gathers[w, to] = take.lower(_at_width(tree, w), idx, to).compile()
-            tree = gathers[w, to](tree, np.arange(to, dtype=np.int32))
-    jax.block_until_ready(tree)
+                gathers[w, to] = take.lower(_at_width(group, w), idx).compile()
+            group = gathers[w, to](group, np.arange(to, dtype=np.int32))
+    jax.block_until_ready((group, rec))
+    return rec
+
+
+def _drain(rows: dict, segments: list, drained: list[list[dict]]) -> None:
+    """Each member's passes from a sweep record's rows (host arrays), segment by segment (the
+    lanes' members, width, first row, iterations), appended to `drained` by member."""
+    for lanes, width, first, n in segments:
+        part = {k: v[first : first + n * width] for k, v in rows.items()}
+        for lane, member in enumerate(lanes):
+            if member >= 0:
+                drained[member].append(_unpack(part, width, lane))
 
 
 def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
     """One group stepped to its end (a host thread's work in `run_sweep`): segments of its
-    width's program, the record's passes drained after each, narrowed once no more than the next
-    width's members are running. Returns each member's drained records and final state."""
+    width's program, narrowed once no more than the next width's members are running, each
+    segment writing on in the record where the last stopped. The host drains the record only
+    when it is full (as `run_device` drains its buffer); `run_sweep` drains the last one once
+    every group has ended. Returns each member's drained passes, the record on the device with
+    its segments (the lanes' members, width, first row, iterations), and the final states."""
     pstack, consts, carry, rec = tree
     m = len(carry[2])
+    rows = rec["slots"].shape[0]
     drained: list[list[dict]] = [[] for _ in range(m)]
+    segments: list[tuple[np.ndarray, int, int, int]] = []  # those in the record since a drain
+    at = 0  # the rows the record holds
     finals: list[SchedState | None] = [None] * m
     lanes = np.arange(m)  # each lane's member; -1: a spare lane (a copy of an ended one)
 
@@ -503,22 +532,24 @@ def _step_lanes(programs: dict, gathers: dict, max_passes: int, tree):
             finals[lanes[lane]] = jax.tree.map(lambda x, i=lane: x[i], final)
 
     while True:
-        widths = [w for w in _widths(m) if w < len(lanes)]
+        width = len(lanes)
+        widths = [w for w in _widths(m) if w < width]
         floor = widths[0] if widths else 0
-        i, carry, rec = programs[len(lanes)](pstack, consts, carry, rec, jnp.int32(floor),
-                                             jnp.int32(2**31 - 1))  # fmt: skip
-        rows, i, passes, done = jax.device_get((rec, i, carry[2], carry[4]))
-        for lane, member in enumerate(lanes):
-            if member >= 0:
-                drained[member].append(_unpack(rows, int(i), lane))
+        i, carry, rec = programs[width](pstack, consts, carry, rec, jnp.int32(at),
+                                        jnp.int32(floor), jnp.int32(2**31 - 1))  # fmt: skip
+        i, passes, done = jax.device_get((i, carry[2], carry[4]))
+        segments.append((lanes, width, at, int(i)))
+        at += int(i) * width
         ours = lanes >= 0
         if done[ours].all() or (passes[ours] >= max_passes).any():
             break
+        if at + width > rows:  # full: drained, and written again from its first row
+            _drain(jax.device_get(rec), segments, drained)
+            segments, at = [], 0
         idx = _narrow(lanes, done, floor)
         if idx is not None:
             keep_finals(jax.device_get(carry[0]), np.flatnonzero(done & ours))
-            pstack, consts, carry, rec = gathers[len(lanes), floor]((pstack, consts, carry, rec),
-                                                                   idx)  # fmt: skip
+            pstack, consts, carry = gathers[width, floor]((pstack, consts, carry), idx)
             lanes = np.where(np.arange(len(idx)) < (~done & ours).sum(), lanes[idx], -1)
     keep_finals(jax.device_get(carry[0]), np.flatnonzero(lanes >= 0))
-    return drained, finals
+    return drained, (rec, segments), finals
