@@ -431,7 +431,7 @@ def run_sweep(
     stack = lambda xs: jax.tree.map(lambda *x: np.stack(x), *xs)  # noqa: E731
     g = max(1, min(groups or sweep_groups(m), m))
     split = [np.arange(k, m, g) for k in range(g)]  # member i in group i % g
-    wide = len(split[0])  # the widest group's members: every group's record holds 16 rows of them
+    wide = len(split[0])  # the widest group: a record holds at least 16 of its iterations
     rows = int(np.clip(SWEEP_BYTES // (g * row_bytes), 16 * wide, max_passes * wide))
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
