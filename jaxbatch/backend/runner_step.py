@@ -5,34 +5,37 @@ A decode pass runs the all-slot decode; any other pass (a mixed pass, or a prefi
 prompts) runs flattened, one row per token, as the runner's mixed pass: at the first of a few row
 buckets that holds its tokens (each 4x the last, up to the token budget's rows for orca and
 chunked, or to every slot's longest sequence), with query tiles for any plan of that many
-tokens. `lax.switch` picks the compiled branch of the pass's rows and context bucket (the host
-loop's rule, `Buckets.shape_fields`), so the loop reads no more context than the host loop. The
-branches only read the cache; the step writes it once after the switch, in place (a branch that
-wrote it would make XLA copy the cache). An idle (or skipped) iteration takes a branch that
-computes nothing and writes nothing.
+tokens. A `lax.switch` picks the compiled branch of the pass's context bucket (the host loop's
+rule, `Buckets.shape_fields`), so the loop reads no more context than the host loop. The
+branches only read the cache; the rows a pass computed are written once after its switch, in
+place: a conditional whose branches wrote the cache would make XLA copy it. A decode is one
+switch (an idle, skipped or flat pass takes its branch that computes nothing), its B rows
+written after it. A flat pass runs in its row bucket's path, a while loop of at most one
+iteration (`_run_if`) holding that bucket's switch and its write: one switch over every
+bucket, written after, padded every pass's K/V to the largest bucket (4,096 rows for 16 slots
+of 256 positions): continuous on the realistic workload of `benchmarks/throughput.py` ran at
+1,112 tok/s with it, 1,713 without (medians of 2, interleaved, 2026-12-06).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import pow2_at_least
-from jaxbatch.backend.runner import PassOut, Runner, _forward, decode_rows, flatten, store_tokens
+from jaxbatch.backend.runner import Runner, _forward, decode_rows, flatten, store_tokens
 from jaxbatch.sched.state import DECODE, Plan
 
-
-def _pad_value(dtype):
-    return jnp.iinfo(jnp.int32).max if dtype == jnp.int32 else 0
+_NONE = jnp.iinfo(jnp.int32).max  # a slot's token where a step ran no pass
 
 
-def _pad_rows(x, width: int):
-    """Pad a per-row array to `width` rows: padding rows are invalid (False, 0) or out of range."""
-    pad = [(0, width - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-    return jnp.pad(x, pad, constant_values=_pad_value(x.dtype))
+def _run_if(pred, fn, state):
+    """fn(state) if pred, else state: a while loop of at most one iteration. XLA updates a while
+    loop's carry in place, where a conditional whose branches wrote the cache would copy it (a
+    64 MB array, 8.4 against 0.10 ms an iteration in a microbenchmark, 2026-12-06)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), fn(c[1])),
+                              (pred, state))[1]  # fmt: skip
 
 
 class RunnerStep:
@@ -48,7 +51,6 @@ class RunnerStep:
         while self.rows[0] // 4 >= min_len:
             self.rows.insert(0, self.rows[0] // 4)
         self.contexts = sorted({runner.buckets.context(n) for n in range(1, longest + 1)})
-        self.width = max(*self.rows, b)  # every branch's rows, padded alike
         # Flat branches (rows x context), then decodes; warm-up runs each once.
         self.num_branches = (len(self.rows) + 1) * len(self.contexts)
 
@@ -70,47 +72,67 @@ class RunnerStep:
         the new carry, each slot's drawn token [B], the duration (one pass: the loop's clock
         counts passes) and the shape run (rows, tokens per row, context)."""
         weights, prompt_len, request_ids = consts
-        cache, buf = carry
         r, b = self.runner, self.runner.num_slots
         common = dict(spec=r.spec, sampling=r.sampling, num_slots=b, with_logits=False,
                       write=False)  # fmt: skip
-        args = (weights, cache, buf, prompt_len, request_ids)
-
-        def padded(out: PassOut) -> PassOut:  # each slot's token is [b] in every branch
-            # The write after the switch needs only where rows go, not how attention tiled them.
-            index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0, num_slots=0)
-            rows_of = out.replace(index=index, tokens=None)
-            pad = partial(_pad_rows, width=self.width)
-            return jax.tree.map(pad, rows_of).replace(tokens=out.tokens)
-
-        def flat(rows, context):  # prompt tokens in the pass: one row per token
-            shape = self.buckets.flat(rows, context, any_plan=True)
-            return lambda: padded(_forward(*args, *flatten(plan, rows, b), shape=shape,
-                                           **common)[1])  # fmt: skip
-
-        def decode(context):  # no prompt tokens: the cheaper all-slot decode
-            shape = self.buckets.decode(context)
-            return lambda: padded(_forward(*args, *decode_rows(plan, shape), shape=shape,
-                                           **common)[1])  # fmt: skip
-
-        branches = [flat(r, c) for r in self.rows for c in self.contexts]
-        branches += [decode(c) for c in self.contexts]
-        nothing = jax.tree.map(lambda s: jnp.full(s.shape, _pad_value(s.dtype), s.dtype),
-                               jax.eval_shape(branches[-1]))  # fmt: skip
-        branches.append(lambda: nothing)
+        contexts = len(self.contexts)
         context = self.buckets.shape_fields(plan, jnp)[2]
         bucket = jnp.searchsorted(jnp.array(self.contexts), context, side="left")
         row_bucket = jnp.searchsorted(jnp.array(self.rows), plan.num_tokens.sum(), side="left")
         row_bucket = jnp.where(plan.kind == DECODE, len(self.rows), row_bucket)
-        branch = row_bucket * len(self.contexts) + bucket
-        branch = jnp.where(
-            warm_branch >= 0, warm_branch, jnp.where(skip, len(branches) - 1, branch)
+        warm = warm_branch >= 0
+        row_bucket = jnp.where(warm, warm_branch // contexts, row_bucket)
+        bucket = jnp.where(warm, warm_branch % contexts, bucket)
+
+        def branch(k: int, context: int):  # row bucket k (len(self.rows): decode), one context
+            if k == len(self.rows):  # no prompt tokens: the cheaper all-slot decode
+                shape = self.buckets.decode(context)
+                rows = lambda: decode_rows(plan, shape)  # noqa: E731
+            else:  # prompt tokens in the pass: one row per token
+                shape = self.buckets.flat(self.rows[k], context, any_plan=True)
+                rows = lambda: flatten(plan, self.rows[k], b)  # noqa: E731
+
+            def run(cache, buf):
+                out = _forward(weights, cache, buf, prompt_len, request_ids, *rows(),
+                               shape=shape, **common)[1]  # fmt: skip
+                # The write needs only where rows go, not how attention tiled them.
+                index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0, num_slots=0)
+                return out.replace(index=index)
+
+            return run
+
+        def written(out, cache, buf):  # the pass's K/V and tokens stored, after its switch
+            return cache.write(out.ks, out.vs, out.index), store_tokens(buf, out), out.tokens
+
+        def path(k: int):  # a pass with prompt tokens in row bucket k, at the pass's context
+            def run(state):
+                cache, buf, _ = state
+                branches = [branch(k, c) for c in self.contexts]
+                return written(jax.lax.switch(bucket, branches, cache, buf), cache, buf)
+
+            return run
+
+        def flat(state):
+            for k in range(len(self.rows)):
+                state = _run_if(row_bucket == k, path(k), state)
+            return state
+
+        # A decode is one switch over its contexts, or a branch that computes nothing for any
+        # other pass, its B rows written after it; a pass with prompt tokens takes its row
+        # bucket's path.
+        run, decode = warm | ~skip, row_bucket == len(self.rows)
+        cache, buf = carry
+        decodes = [branch(len(self.rows), c) for c in self.contexts]
+        none = jax.tree.map(
+            lambda s: jnp.full(s.shape, _NONE if s.dtype == jnp.int32 else 0, s.dtype),
+            jax.eval_shape(decodes[-1], cache, buf),
         )
-        out = jax.lax.switch(branch, branches)
-        carry = cache.write(out.ks, out.vs, out.index), store_tokens(buf, out)
+        out = jax.lax.switch(jnp.where(run & decode, bucket, contexts),
+                             [*decodes, lambda cache, buf: none], cache, buf)  # fmt: skip
+        cache, buf, tokens = _run_if(run & ~decode, flat, written(out, cache, buf))
         rows = jnp.array([*self.rows, b])[row_bucket]
         ran = rows, 1, jnp.array(self.contexts)[bucket]
-        return carry, out.tokens, jnp.float32(1.0), ran
+        return (cache, buf), tokens, jnp.float32(1.0), ran
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
         return self.runner.outputs(num_generated)
