@@ -27,7 +27,7 @@ from jaxbatch.backend.buckets import pow2_at_least
 from jaxbatch.backend.runner import Runner, _forward, decode_rows, flatten, store_tokens
 from jaxbatch.sched.state import DECODE, Plan
 
-_NONE = jnp.iinfo(jnp.int32).max  # a slot's token where a step ran no pass
+_NONE = jnp.iinfo(jnp.int32).max  # what a step that runs no pass returns: no token, no row
 
 
 def _run_if(pred, fn, state):
