@@ -83,7 +83,7 @@ class PassOut:
     logits: Array | None  # [num_slots, vocab] with `with_logits`
 
 
-def _forward(
+def forward_rows(
     params, cache, token_buf, prompt_len, request_ids, row_slot, row_req, row_start, row_len,
     row_last, row_table, *, spec: ModelSpec, shape: PassShape, sampling: Sampling, num_slots: int,
     with_logits: bool, write: bool = True,
@@ -132,7 +132,8 @@ def store_tokens(token_buf: Array, out: PassOut) -> Array:
 
 def flatten(plan: Plan, rows: int, num_slots: int):
     """A mixed pass's rows from a plan's per-slot arrays: one row per fed token, slots in order,
-    padded to `rows`. Returns _forward's row arguments (slot, req, start, len, last, table)."""
+    padded to `rows`. Returns the row arguments of `forward_rows` (slot, req, start, len, last,
+    table)."""
     req, num_tokens, start_pos, block_table = (
         plan.req, plan.num_tokens, plan.start_pos, plan.block_table
     )  # fmt: skip
@@ -166,7 +167,7 @@ def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
         rows = flatten(*rows, shape.rows, num_slots)
     elif shape.all_slots:
         rows = decode_rows(*rows, shape)
-    cache, out = _forward(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
+    cache, out = forward_rows(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
 

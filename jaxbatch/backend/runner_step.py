@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import pow2_at_least
-from jaxbatch.backend.runner import Runner, _forward, decode_rows, flatten, store_tokens
+from jaxbatch.backend.runner import Runner, decode_rows, flatten, forward_rows, store_tokens
 from jaxbatch.sched.state import DECODE, Plan
 
 _NONE = jnp.iinfo(jnp.int32).max  # what a step that runs no pass returns: no token, no row
@@ -93,7 +93,7 @@ class RunnerStep:
                 rows = lambda: flatten(plan, self.rows[k], b)  # noqa: E731
 
             def run(cache, buf):
-                out = _forward(weights, cache, buf, prompt_len, request_ids, *rows(),
+                out = forward_rows(weights, cache, buf, prompt_len, request_ids, *rows(),
                                shape=shape, **common)[1]  # fmt: skip
                 # The write needs only where rows go, not how attention tiled them.
                 index = out.index.replace(slots=out.index.row_slots, tiles=0, tile=0, num_slots=0)
