@@ -5,7 +5,9 @@ host thread each (on this CPU, one per core); it is also timed as one group, for
 Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
 16..256) per run, Llama-3 8B priced on one H100. The three ways of running a sweep are timed in
 `--repeats` interleaved rounds; each figure is their median. Compilation is excluded from every
-figure and printed apart. Asserts nothing.
+figure and printed apart. The loops' times exclude building the results from their records, as
+both ways do after their clocks stop; the whole calls less their warm-up, which include it, are
+printed too. Asserts nothing.
 """
 
 from __future__ import annotations
