@@ -232,7 +232,7 @@ def test_shortest_prompt_first_starves_a_long_prompt_that_fcfs_serves():
     st.integers(1, 40), st.integers(1, 6), st.sampled_from(["fcfs", "spf", "priority"]),
     st.randoms(use_true_random=False),
 )  # fmt: skip
-def test_queue_head_is_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd):
+def test_the_queue_keys_smallest_are_the_first_slots_of_a_three_key_sort(n, slots, queue, rnd):
     """The queue's static rank plus a top-k equals sorting (queued first, preempted at the head;
     then the queue's key, arrival, id), the rule it replaced, ties in arrival and key included."""
     rng = np.random.default_rng(rnd.randrange(2**32))
