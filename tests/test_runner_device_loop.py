@@ -10,10 +10,13 @@ import json
 import numpy as np
 import pytest
 
+from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
-from jaxbatch.run import simulate
-from jaxbatch.sched.state import FINISHED
+from jaxbatch.device_loop import run_device
+from jaxbatch.run import build_backend, memory_spec, runner_step, simulate
+from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.state import FINISHED, init_state
 from tests.conftest import make_config, make_workload
 
 
@@ -138,3 +141,36 @@ def test_the_simulator_makes_the_runners_plans(policy):
         for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_tokens",
                       "rows", "row_tokens", "context"):  # fmt: skip
             np.testing.assert_array_equal(getattr(sim.record, field), getattr(runner.record, field))
+
+
+def test_the_runners_device_loop_compiles_only_the_shapes_its_dry_run_meets():
+    """With its plans fixed, the runner's device-loop step compiles exactly the (row bucket,
+    context bucket) pairs its run's passes take (`run.runner_step`: a dry run on the simulator),
+    fewer than every pair; with EOS (plans not fixed) every pair. A run whose passes leave the
+    dry run's plans is refused by `check`, not reported with the tokens of shapes never run."""
+    cfg = make_config("continuous", num_slots=3)
+    w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5])
+    memory = memory_spec(cfg)
+    runner = build_backend(cfg, w, memory)
+    policy, params = make_policy("continuous"), PolicyParams()
+
+    def start(workload):
+        return init_state(workload.arrival, workload.prompt_len, workload.max_new,
+                          np.zeros(len(workload), bool), 3, memory=memory)  # fmt: skip
+
+    state = start(w)
+    step, dry = runner_step(runner, policy, params, state, 4096)
+    res = run_device(policy, params, state, step, 4096)
+    grid = (len(step.rows) + 1) * len(step.contexts)
+    assert sorted(step.needed(res.record)) == step.shapes == sorted(step.needed(dry.record))
+    assert step.num_branches == len(step.shapes) < grid
+    step.check(res.record)
+    every, none = runner_step(runner, policy, PolicyParams(eos_id=np.int32(1)), state, 4096)
+    assert none is None and every.num_branches == grid
+    # planned from a workload of short prompts only: the real run needs shapes it did not plan
+    short = make_workload([3, 4], [2, 2])
+    _, small = runner_step(runner, policy, params, start(short), 4096)
+    narrow = RunnerStep(runner, int(np.max(state.prompt_len + state.max_new)), small.record)
+    assert set(narrow.shapes) < set(step.shapes)
+    with pytest.raises(RuntimeError, match="did not plan"):
+        narrow.check(run_device(policy, params, state, narrow, 4096).record)
