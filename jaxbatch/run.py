@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from jaxbatch.backend.sharding import make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, resolve_auto
 from jaxbatch.device_loop import run_device, run_sweep
-from jaxbatch.engine import RunResult, fixed_plans, run
+from jaxbatch.engine import PLANNED_PASSES, RunResult, fixed_plans, planned_shapes, run
 from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
@@ -39,7 +40,7 @@ from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, Policy, PolicyParams, make_policy
-from jaxbatch.sched.state import SchedState, init_state
+from jaxbatch.sched.state import REJECTED, SchedState, init_state
 from jaxbatch.workload import Workload
 
 
@@ -237,20 +238,21 @@ def _max_passes(fed: int, memory: MemorySpec) -> int:
 
 
 def runner_step(runner: Runner, policy: Policy, params: PolicyParams, state: SchedState,
-                max_passes: int) -> tuple[RunnerStep, RunResult | None]:  # fmt: skip
-    """The runner's device-loop step, and the dry run that chose its branches (None: none).
-    Where a run's plans are fixed (`fixed_plans`: the runner's device loop counts passes, so
-    unless EOS ends requests), it compiles only the pass shapes a dry run meets: the device loop
-    once on a simulator with the runner's buckets, which computes nothing (as the host loop
-    warms up a dry run's shapes). Realistic continuous (`benchmarks/throughput.py`'s workload)
-    then compiles 7 of the 18 shapes, orca and chunked 7 of 12, static 4 of 18."""
-    longest = int(np.max(state.prompt_len + state.max_new))
-    if not fixed_plans(state, params, "passes"):
-        return RunnerStep(runner, longest), None
-    b = runner.buckets
-    sim = Simulator(b.num_slots, b.max_len, b.min_len, b.mixed_rows, min_context=b.min_context)
-    dry = run_device(policy, params, jax.device_get(state), sim, max_passes)
-    return RunnerStep(runner, longest, dry.record), dry
+                arrival: np.ndarray) -> tuple[RunnerStep, bool]:  # fmt: skip
+    """The runner's device-loop step, compiled for the shapes the host loop would warm up: where
+    a run's plans are fixed (`fixed_plans`: the runner's device loop counts passes, so unless
+    EOS ends requests), those a dry run of the host loop meets (`planned_shapes`: realistic
+    continuous, `benchmarks/throughput.py`'s workload, 7 shapes); else every shape the
+    workload can use (`Buckets.for_workload`). Returns the step and whether a dry run chose its
+    shapes."""
+    planned = None
+    if fixed_plans(state, params, "passes"):
+        planned = planned_shapes(policy, params, state, runner.buckets, PLANNED_PASSES, arrival)
+    if planned is not None:
+        return RunnerStep(runner, planned), True
+    live = np.asarray(state.status) != REJECTED
+    lengths = (np.asarray(state.prompt_len)[live], np.asarray(state.max_new)[live])
+    return RunnerStep(runner, runner.buckets.for_workload(*lengths, recompute=runner.paged)), False
 
 
 def simulate(
@@ -264,21 +266,22 @@ def simulate(
     e = cfg.engine
     policy, params, state, backend, memory, shapes, fed = _prepare(cfg, workload, with_logits)
     if e.loop == "device":
-        dry = None
-        if isinstance(backend, Runner):
-            backend, dry = runner_step(backend, policy, params, state, _max_passes(fed, memory))
+        if not isinstance(backend, Runner):
+            return run_device(
+                policy, params, state, backend, _max_passes(fed, memory), e.clock,
+                cfg.output.progress, stop, workload.arrival,
+            )  # fmt: skip
+        t0 = time.perf_counter()
+        step, planned = runner_step(backend, policy, params, state, workload.arrival)
+        planning = time.perf_counter() - t0  # the dry run: warm-up too
         result = run_device(
-            policy, params, state, backend, _max_passes(fed, memory), e.clock,
+            policy, params, state, step, _max_passes(fed, memory), e.clock,
             cfg.output.progress, stop, workload.arrival,
         )  # fmt: skip
-        if dry is None:
-            return result
-        backend.check(result.record)
-        return dataclasses.replace(  # the dry run is the run's warm-up too
-            result, warmup_s=result.warmup_s + dry.warmup_s + dry.wall_s,
-            num_compiles=result.num_compiles + dry.num_compiles,
-            cache_hits=result.cache_hits + dry.cache_hits,
-        )  # fmt: skip
+        step.check(result.record)
+        return dataclasses.replace(
+            result, warmup_s=result.warmup_s + planning, warmup_planned=planned
+        )
     checkpoints = None
     if checkpoint_dir is not None:
         yaml = OmegaConf.to_yaml(OmegaConf.structured(dataclasses.replace(cfg, resume="")))

@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 
-from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
 from jaxbatch.device_loop import run_device
@@ -143,11 +142,11 @@ def test_the_simulator_makes_the_runners_plans(policy):
             np.testing.assert_array_equal(getattr(sim.record, field), getattr(runner.record, field))
 
 
-def test_the_runners_device_loop_compiles_only_the_shapes_its_dry_run_meets():
-    """With its plans fixed, the runner's device-loop step compiles exactly the (row bucket,
-    context bucket) pairs its run's passes take (`run.runner_step`: a dry run on the simulator),
-    fewer than every pair; with EOS (plans not fixed) every pair. A run whose passes leave the
-    dry run's plans is refused by `check`, not reported with the tokens of shapes never run."""
+def test_the_runners_device_loop_compiles_the_shapes_the_host_loop_warms_up():
+    """The runner's device-loop step compiles the host loop's pass shapes: with its plans fixed,
+    exactly those of the run's passes (a dry run of the host loop, `run.runner_step`), fewer than
+    every shape the workload could use; with EOS (plans not fixed) every one of those. A run
+    with a pass of a shape not compiled is refused by `check`, not reported with its tokens."""
     cfg = make_config("continuous", num_slots=3)
     w = make_workload([30, 7, 45, 12, 3], [6, 9, 4, 7, 5])
     memory = memory_spec(cfg)
@@ -159,18 +158,18 @@ def test_the_runners_device_loop_compiles_only_the_shapes_its_dry_run_meets():
                           np.zeros(len(workload), bool), 3, memory=memory)  # fmt: skip
 
     state = start(w)
-    step, dry = runner_step(runner, policy, params, state, 4096)
+    step, planned = runner_step(runner, policy, params, state, w.arrival)
+    assert planned
     res = run_device(policy, params, state, step, 4096)
-    grid = (len(step.rows) + 1) * len(step.contexts)
-    assert sorted(step.needed(res.record)) == step.shapes == sorted(step.needed(dry.record))
-    assert step.num_branches == len(step.shapes) < grid
+    every = runner.buckets.for_workload(w.prompt_len, w.max_new)
+    assert set(step.shapes) == step.needed(res.record) < set(every)
+    assert step.num_branches == len(step.shapes)
     step.check(res.record)
-    every, none = runner_step(runner, policy, PolicyParams(eos_id=np.int32(1)), state, 4096)
-    assert none is None and every.num_branches == grid
-    # planned from a workload of short prompts only: the real run needs shapes it did not plan
+    eos, planned = runner_step(runner, policy, PolicyParams(eos_id=np.int32(1)), state, w.arrival)
+    assert not planned and set(eos.shapes) == set(every)
+    # compiled for a workload of short prompts only: the real run needs shapes it lacks
     short = make_workload([3, 4], [2, 2])
-    _, small = runner_step(runner, policy, params, start(short), 4096)
-    narrow = RunnerStep(runner, int(np.max(state.prompt_len + state.max_new)), small.record)
-    assert set(narrow.shapes) < set(step.shapes)
-    with pytest.raises(RuntimeError, match="did not plan"):
+    narrow, _ = runner_step(runner, policy, params, start(short), short.arrival)
+    assert not set(narrow.shapes) >= set(step.shapes)
+    with pytest.raises(RuntimeError, match="did not compile"):
         narrow.check(run_device(policy, params, state, narrow, 4096).record)

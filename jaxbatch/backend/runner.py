@@ -149,6 +149,20 @@ def flatten(plan: Plan, rows: int, num_slots: int):
     return row_slot, row_req, row_start, valid.astype(jnp.int32), row_last, block_table[slot]
 
 
+def prefill_rows(plan: Plan, rows: int, num_slots: int, xp=np):
+    """A prefill pass's rows from a plan's per-slot arrays (numpy on the host, jnp in the device
+    loop): the fed slots in slot order, then rows that feed nothing (slot num_slots), `rows` in
+    all (at most num_slots). Returns the row arguments of `forward_rows`."""
+    fed = plan.num_tokens > 0
+    order = xp.argsort(xp.where(fed, 0, num_slots) + xp.arange(num_slots))[:rows]
+    valid = fed[order]
+    slot = xp.where(valid, order, num_slots).astype(xp.int32)
+    req, start, length = (xp.where(valid, x[order], 0).astype(xp.int32)
+                          for x in (plan.req, plan.start_pos, plan.num_tokens))  # fmt: skip
+    table = xp.where(valid[:, None], plan.block_table[order], -1).astype(xp.int32)
+    return slot, req, start, length, length > 0, table
+
+
 def decode_rows(plan: Plan, shape: PassShape):
     """A decode pass's rows from a plan's per-slot arrays: row i is slot i. A plan the shape does
     not fit (`decode_fits`; the engine may dispatch a pass before its plan reaches the host)
@@ -336,13 +350,4 @@ class Runner:
         if int(plan.kind) == MIXED:  # flattened on the device, as the device loop does
             return self._call(shape, p)
         assert int(plan.kind) == PREFILL, f"the runner has no pass of kind {int(plan.kind)}"
-        slots = np.flatnonzero(plan.num_tokens > 0).astype(np.int32)
-        pad = shape.rows - len(slots)
-        row_slot = np.concatenate([slots, np.full(pad, self.num_slots, np.int32)])
-        row_req = np.concatenate([plan.req[slots], np.zeros(pad, np.int32)])
-        row_start = np.concatenate([plan.start_pos[slots], np.zeros(pad, np.int32)])
-        row_len = np.concatenate([plan.num_tokens[slots], np.zeros(pad, np.int32)])
-        row_table = np.concatenate(
-            [plan.block_table[slots], np.full((pad, self.max_blocks), -1, np.int32)]
-        )
-        return self._call(shape, row_slot, row_req, row_start, row_len, row_len > 0, row_table)
+        return self._call(shape, *prefill_rows(plan, shape.rows, self.num_slots))
