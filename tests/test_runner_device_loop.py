@@ -7,15 +7,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbatch.backend.runner import prefill_rows
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
 from jaxbatch.device_loop import run_device
 from jaxbatch.run import build_backend, memory_spec, runner_step, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import FINISHED, init_state
+from jaxbatch.sched.state import FINISHED, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload
 
 
@@ -173,3 +176,25 @@ def test_the_runners_device_loop_compiles_the_shapes_the_host_loop_warms_up():
     assert not set(narrow.shapes) >= set(step.shapes)
     with pytest.raises(RuntimeError, match="did not compile"):
         narrow.check(run_device(policy, params, state, narrow, 4096).record)
+
+
+def test_prefill_rows_on_the_device_equal_the_hosts():
+    """`prefill_rows` lays out a prefill's rows alike from a host plan (numpy: the host loop) and
+    a device plan (jnp: the device loop): the fed slots in slot order, then rows feeding nothing."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        b = 8
+        num_tokens = np.where(rng.random(b) < 0.5, rng.integers(1, 40, b), 0).astype(np.int32)
+        fed = int((num_tokens > 0).sum())
+        rows = min(b, max(1, 1 << (fed - 1).bit_length()))
+        plan = Plan(rng.integers(0, 50, b).astype(np.int32), num_tokens,
+                    rng.integers(0, 9, b).astype(np.int32), np.int32(PREFILL), np.float32(0),
+                    rng.integers(-1, 30, (b, 3)).astype(np.int32))  # fmt: skip
+        host = prefill_rows(plan, rows, b)
+        device = jax.jit(prefill_rows, static_argnums=(1, 2, 3))(plan, rows, b, jnp)
+        for h, d in zip(host, device, strict=True):
+            np.testing.assert_array_equal(h, np.asarray(d))
+        slot, req, start, length, valid, table = host
+        np.testing.assert_array_equal(slot[:fed], np.flatnonzero(num_tokens))
+        assert (slot[fed:] == b).all() and (length[fed:] == 0).all() and (table[fed:] == -1).all()
+        np.testing.assert_array_equal(length[:fed], num_tokens[num_tokens > 0])
