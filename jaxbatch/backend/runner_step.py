@@ -58,8 +58,8 @@ class RunnerStep:
         self.runner, self.buckets = runner, runner.buckets
         self.shapes = sorted(set(shapes), key=_vector)
         self.num_branches = len(self.shapes)  # warm-up runs each once
-        # shapes whose passes have the same rows share a path (decodes: row 0): a switch over
-        # their contexts
+        # Shapes of the same rows (kind, rows, tokens per row, query tiles) share a path: a
+        # switch over their contexts. The decodes' path comes first (kind 0).
         self.paths = sorted({_vector(s)[:3] + (s.tiles,) for s in self.shapes})
 
     def vector(self, plan: Plan, xp=np):
