@@ -197,4 +197,5 @@ def test_prefill_rows_on_the_device_equal_the_hosts():
         slot, req, start, length, valid, table = host
         np.testing.assert_array_equal(slot[:fed], np.flatnonzero(num_tokens))
         assert (slot[fed:] == b).all() and (length[fed:] == 0).all() and (table[fed:] == -1).all()
+        assert (req[fed:] == 0).all() and (start[fed:] == 0).all() and not valid[fed:].any()
         np.testing.assert_array_equal(length[:fed], num_tokens[num_tokens > 0])
