@@ -318,11 +318,11 @@ def run_device(
 
 
 _start_jit = jax.jit(_start, static_argnames="max_passes")
-# A simulated run's compiled segment, kept for the next run of the same program (the policy, the
+# A run's compiled segment, kept for the next run of the same program (the policy, the
 # backend's `program_key`, the buffer, the clock's window and the inputs' shapes, dtypes and
-# placements: a run's state and params are its inputs), so runs one after another in a process
-# (a basic multirun, a notebook, calibration) compile once; the oldest beyond PROGRAMS_KEPT go.
-# The runner's step holds its model and compiles for each run (`program_key` None).
+# placements: a run's state and params, and the runner's weights and cache, are its inputs), so
+# runs one after another in a process (a basic multirun, a notebook, calibration) compile once;
+# the oldest beyond PROGRAMS_KEPT go.
 _programs: dict = {}
 PROGRAMS_KEPT = 8
 

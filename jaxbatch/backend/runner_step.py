@@ -52,11 +52,14 @@ def _run_if(pred, fn, state):
 class RunnerStep:
     """The device loop's backend for a Runner, compiled for `shapes` (the host loop's shapes)."""
 
-    program_key = None  # its program holds the model: compiled for each run (`run_device`)
-
     def __init__(self, runner: Runner, shapes: list[PassShape]):
         self.runner, self.buckets = runner, runner.buckets
         self.shapes = sorted(set(shapes), key=_vector)
+        # What the step's program is made of besides its inputs' types (`run_device` keeps the
+        # program for the next run of an equal key): the weights, the prompts, the cache and
+        # the token buffer are inputs, not constants.
+        self.program_key = (RunnerStep, runner.spec, runner.sampling, self.buckets,
+                            tuple(self.shapes))  # fmt: skip
         self.num_branches = len(self.shapes)  # warm-up runs each once
         # Shapes of the same rows (kind, rows, tokens per row, query tiles) share a path: a
         # switch over their contexts. The decodes' path comes first (kind 0).
