@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from omegaconf import OmegaConf
 
-from jaxbatch.backend.buckets import pow2_at_least
+from jaxbatch.backend.buckets import PassShape, pow2_at_least
 from jaxbatch.backend.compilation import cache_dir, use_cache
 from jaxbatch.backend.cost_model import (
     ACTIVATION_RESERVE,
@@ -40,7 +40,7 @@ from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import BUDGETED, Policy, PolicyParams, make_policy
-from jaxbatch.sched.state import REJECTED, SchedState, init_state
+from jaxbatch.sched.state import SchedState, init_state
 from jaxbatch.workload import Workload
 
 
@@ -200,7 +200,8 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
 
 def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     """Everything a run needs: (policy, params, state, backend, memory, shapes, fed), where
-    `shapes` is what the host loop warms up and `fed` the tokens the run's passes feed at most."""
+    `shapes` is every pass shape the workload can use (what the loops warm up where no dry run
+    knows the plans) and `fed` the tokens the run's passes feed at most."""
     e = cfg.engine
     use_cache(cache_dir(e.compile_cache))
     memory = memory_spec(cfg)
@@ -227,8 +228,7 @@ def _prepare(cfg: Config, workload: Workload, with_logits: bool = False):
     )  # fmt: skip
     policy = make_policy(p.name, p.queue)
     fed = int((workload.prompt_len + workload.max_new)[ok].sum())
-    warm = e.warmup and e.backend == "runner"  # the simulator compiles no pass
-    return policy, params, state, backend, memory, shapes if warm else [], fed
+    return policy, params, state, backend, memory, shapes, fed
 
 
 def _max_passes(fed: int, memory: MemorySpec) -> int:
@@ -237,22 +237,20 @@ def _max_passes(fed: int, memory: MemorySpec) -> int:
     return (4 if memory.paged else 1) * fed + 16
 
 
-def runner_step(runner: Runner, policy: Policy, params: PolicyParams, state: SchedState,
-                arrival: np.ndarray) -> tuple[RunnerStep, bool]:  # fmt: skip
+def runner_step(
+    runner: Runner, policy: Policy, params: PolicyParams, state: SchedState, arrival: np.ndarray,
+    every: list[PassShape],
+) -> tuple[RunnerStep, bool]:  # fmt: skip
     """The runner's device-loop step, compiled for the shapes the host loop would warm up: where
     a run's plans are fixed (`fixed_plans`: the runner's device loop counts passes, so unless
     EOS ends requests), those a dry run of the host loop meets (`planned_shapes`: realistic
-    continuous, `benchmarks/throughput.py`'s workload, 7 shapes); else every shape the
+    continuous, `benchmarks/throughput.py`'s workload, 7 shapes); else `every` shape the
     workload can use (`Buckets.for_workload`). Returns the step and whether a dry run chose its
     shapes."""
     planned = None
     if fixed_plans(state, params, "passes"):
         planned = planned_shapes(policy, params, state, runner.buckets, PLANNED_PASSES, arrival)
-    if planned is not None:
-        return RunnerStep(runner, planned), True
-    live = np.asarray(state.status) != REJECTED
-    lengths = (np.asarray(state.prompt_len)[live], np.asarray(state.max_new)[live])
-    return RunnerStep(runner, runner.buckets.for_workload(*lengths, recompute=runner.paged)), False
+    return RunnerStep(runner, every if planned is None else planned), planned is not None
 
 
 def simulate(
@@ -272,7 +270,7 @@ def simulate(
                 cfg.output.progress, stop, workload.arrival,
             )  # fmt: skip
         t0 = time.perf_counter()
-        step, planned = runner_step(backend, policy, params, state, workload.arrival)
+        step, planned = runner_step(backend, policy, params, state, workload.arrival, shapes)
         planning = time.perf_counter() - t0  # the dry run: warm-up too
         result = run_device(
             policy, params, state, step, _max_passes(fed, memory), e.clock,
@@ -287,7 +285,9 @@ def simulate(
         yaml = OmegaConf.to_yaml(OmegaConf.structured(dataclasses.replace(cfg, resume="")))
         checkpoints = Checkpoints(checkpoint_dir, cfg.output.checkpoint_every, yaml)
     result = run(
-        policy, params, state, backend, shapes, e.clock, cfg.output.progress,
+        policy, params, state, backend,
+        shapes if e.warmup and e.backend == "runner" else [],  # the simulator compiles no pass
+        e.clock, cfg.output.progress,
         arrival=workload.arrival, stop=stop, checkpoints=checkpoints,
         resume_from=Path(cfg.resume) / "checkpoint" if cfg.resume else None,
     )  # fmt: skip

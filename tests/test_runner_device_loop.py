@@ -161,18 +161,19 @@ def test_the_runners_device_loop_compiles_the_shapes_the_host_loop_warms_up():
                           np.zeros(len(workload), bool), 3, memory=memory)  # fmt: skip
 
     state = start(w)
-    step, planned = runner_step(runner, policy, params, state, w.arrival)
+    every = runner.buckets.for_workload(w.prompt_len, w.max_new)
+    step, planned = runner_step(runner, policy, params, state, w.arrival, every)
     assert planned
     res = run_device(policy, params, state, step, 4096)
-    every = runner.buckets.for_workload(w.prompt_len, w.max_new)
     assert set(step.shapes) == step.needed(res.record) < set(every)
     assert step.num_branches == len(step.shapes)
     step.check(res.record)
-    eos, planned = runner_step(runner, policy, PolicyParams(eos_id=np.int32(1)), state, w.arrival)
+    eos_params = PolicyParams(eos_id=np.int32(1))
+    eos, planned = runner_step(runner, policy, eos_params, state, w.arrival, every)
     assert not planned and set(eos.shapes) == set(every)
     # compiled for a workload of short prompts only: the real run needs shapes it lacks
     short = make_workload([3, 4], [2, 2])
-    narrow, _ = runner_step(runner, policy, params, start(short), short.arrival)
+    narrow, _ = runner_step(runner, policy, params, start(short), short.arrival, every)
     assert not set(narrow.shapes) >= set(step.shapes)
     with pytest.raises(RuntimeError, match="did not compile"):
         narrow.check(run_device(policy, params, state, narrow, 4096).record)
