@@ -31,13 +31,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxbatch.backend.compilation import cache_hits, num_compiles
+from jaxbatch.backend.executables import compiled
 from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.clock import WINDOW, Clock
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import PASS_FIELDS, SLOT_FIELDS, from_columns, pass_row
-from jaxbatch.sched.policies import Policy, PolicyParams
+from jaxbatch.sched.policies import POLICIES, Policy, PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
 
 _INF = float("inf")
@@ -254,7 +255,13 @@ def run_device(
     key = backend.program_key and (policy, backend.program_key, size, window, _avals(args))
     run = _programs.get(key) if key else None
     if run is None:
-        run = jax.jit(segment, donate_argnums=2, out_shardings=placed).lower(*args).compile()
+        jitted = jax.jit(segment, donate_argnums=2, out_shardings=placed)
+        named = key and _named(policy)
+        if named:  # found on disk by what makes it, without tracing it (`executables`)
+            static = ("device_loop.segment", named, backend.program_key, size, window)
+            run = compiled(jitted, static, args)
+        else:
+            run = jitted.lower(*args).compile()
         if key:
             _programs[key] = run
             while len(_programs) > PROGRAMS_KEPT:
@@ -322,7 +329,9 @@ _start_jit = jax.jit(_start, static_argnames="max_passes")
 # backend's `program_key`, the buffer, the clock's window and the inputs' shapes, dtypes and
 # placements: a run's state and params, and the runner's weights and cache, are its inputs), so
 # runs one after another in a process (a basic multirun, a notebook, calibration) compile once;
-# the oldest beyond PROGRAMS_KEPT go.
+# the oldest beyond PROGRAMS_KEPT go. With the compile cache on, a program of `make_policy`'s
+# policy is also saved whole (`executables`): a new process loads it without tracing (for the
+# runner's realistic continuous run, a warm-up of 1.9 s against 4.7 s from JAX's cache alone).
 _programs: dict = {}
 PROGRAMS_KEPT = 8
 
@@ -334,6 +343,15 @@ def _avals(tree) -> tuple:
          getattr(x, "sharding", None))
         for x in leaves
     )  # fmt: skip
+
+
+def _named(policy: Policy) -> tuple | None:
+    """A policy of `make_policy` by its arguments (its functions are the package's code, which
+    the store's key holds); None for another (its code is not in the key: compiled anew)."""
+    queue = getattr(policy.schedule, "keywords", {}).get("queue")
+    if policy.name in POLICIES and queue is not None and make_policy(policy.name, queue) == policy:
+        return ("make_policy", policy.name, queue)
+    return None
 
 
 def clear_programs() -> None:

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbatch.backend import compilation, executables
 from jaxbatch.backend.runner import prefill_rows
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
-from jaxbatch.device_loop import run_device
+from jaxbatch.device_loop import _named, clear_programs, run_device
 from jaxbatch.run import build_backend, memory_spec, runner_step, simulate
-from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.policies import Policy, PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload
 
@@ -200,3 +201,29 @@ def test_prefill_rows_on_the_device_equal_the_hosts():
         assert (slot[fed:] == b).all() and (length[fed:] == 0).all() and (table[fed:] == -1).all()
         assert (req[fed:] == 0).all() and (start[fed:] == 0).all() and not valid[fed:].any()
         np.testing.assert_array_equal(length[:fed], num_tokens[num_tokens > 0])
+
+
+def test_a_later_process_loads_the_device_loops_program_and_runs_it_on_its_own_weights(
+    tmp_path, monkeypatch
+):
+    """The device loop's program is saved whole in the compile cache's store (`executables`) and
+    found by a later run without tracing or compiling it, as another process would find it (the
+    process's programs dropped). Its weights are inputs, not constants: loaded for a model of
+    another seed, it gives the host loop's tokens for that seed. Only `make_policy`'s policies,
+    whose code the store's key holds, are named for the store."""
+    w = make_workload([30, 7, 45, 12], [6, 9, 4, 7])
+    cfg = make_config("continuous", num_slots=2, clock="passes")
+    reseeded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seed=1))
+    host = simulate(reseeded, w)  # the reference, through the session's store
+    monkeypatch.setattr(compilation, "_store", [tmp_path])
+    first = _device(cfg, w)
+    assert first.num_compiles > 0 and len(list(tmp_path.glob("*.exe"))) == 1
+    executables.clear()
+    clear_programs()  # as in a new process
+    again = _device(reseeded, w)
+    assert (again.num_compiles, again.cache_hits) == (0, 1)
+    _same_run(again, host)
+    assert any((a != b).any() for a, b in zip(again.outputs, first.outputs))  # other weights
+    assert _named(make_policy("chunked", "spf")) == ("make_policy", "chunked", "spf")
+    own = make_policy("chunked")._replace(schedule=lambda *a: make_policy("chunked").schedule(*a))
+    assert isinstance(own, Policy) and _named(own) is None

@@ -1,5 +1,6 @@
-"""Compiled passes found by what makes them: kept for the process, and on disk beside JAX's
-persistent compilation cache, so that a repeated run loads its passes without tracing them.
+"""Compiled programs (the runner's passes, the device loop's segment) found by what makes them:
+kept for the process, and on disk beside JAX's persistent compilation cache, so that a repeated
+run loads its programs without tracing them.
 
 JAX's persistent cache (compilation.py) skips XLA's compilation, but not JAX's tracing and
 lowering of each program, which its key is computed from: for the tiny model, 0.1-0.3 s a pass
