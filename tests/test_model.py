@@ -11,9 +11,10 @@ import numpy as np
 from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.runner import Runner
 from jaxbatch.model.attention import rope_tables
+from jaxbatch.model.kvcache import CacheIndex, init_paged_cache, init_slot_cache, values
 from jaxbatch.model.transformer import full_forward
 from jaxbatch.sched.state import DECODE, PREFILL, Plan
-from tests.conftest import make_workload
+from tests.conftest import TEST_MODEL, make_workload
 
 reference = jax.jit(full_forward, static_argnums=0)
 
@@ -72,7 +73,7 @@ def test_bfloat16_cached_passes_match_the_bfloat16_full_forward(spec, params):
     w = make_workload(prompt_len, np.full(3, 4))
     runner = Runner(spec, params, 3, w.prompts(spec.vocab_size, spec.max_len), prompt_len,
                     with_logits=True)  # fmt: skip
-    assert runner.cache.k[0][0].dtype == jnp.bfloat16
+    assert values(runner.cache.k[0][0]).dtype == jnp.bfloat16
     _, logits = _execute(runner, [0, 1, 2], prompt_len, [0] * 3, PREFILL)
     seen = [[np.asarray(logits[r])] for r in range(3)]
     for step in range(3):
@@ -100,3 +101,39 @@ def test_rope_tables_equal_the_closed_form_at_every_position():
         angles = pos[..., None, None] * inv_freq
         np.testing.assert_allclose(np.asarray(cos), np.cos(angles), atol=2e-5)
         np.testing.assert_allclose(np.asarray(sin), np.sin(angles), atol=2e-5)
+
+
+def test_a_bfloat16_cache_is_written_in_place_and_reads_back_what_was_written():
+    """A bfloat16 cache on the CPU holds bit patterns (`kvcache.storage_dtype`), so a write
+    scatters in place: the compiled write makes no float32 copy of a cache array (XLA's CPU
+    backend converted each bfloat16 array a write went to into float32 whole, and back). A read
+    gives exactly the bfloat16 values written, in both layouts; positions never written read 0."""
+    spec = dataclasses.replace(TEST_MODEL.spec(), kv_dtype="bfloat16")
+    kv, hd = spec.n_kv_heads, spec.head_dim
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.normal(size=(3, 2, kv, hd)), jnp.float32) for _ in range(2))
+    positions = jnp.array([[5, 6], [70, 71], [130, 131]], jnp.int32)
+    valid = jnp.array([[True, True], [True, False], [True, True]])
+    table = jnp.array([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17],
+                       [18, 19, 20, 21, 22, 23, 24, 25, 26]], jnp.int32)  # fmt: skip
+    for cache, index in (
+        (init_slot_cache(spec, 3), CacheIndex(None, positions, valid)),
+        (init_paged_cache(spec, 27, 16), CacheIndex(None, positions, valid, table)),
+    ):
+        write = jax.jit(lambda c, k, v, i: c.write_layer(0, k, v, i), donate_argnums=0)
+        hlo = write.lower(cache, k, v, index).compile().as_text()
+        for array in jax.tree.leaves(cache):
+            assert f"f32[{','.join(map(str, array.shape))}]" not in hlo
+        cache = write(cache, k, v, index)
+        read = cache.read(0, index, 144)  # the slot layout: whole segments, 256 positions
+        got_k, got_v = (np.concatenate([np.asarray(x[j], np.float32) for x in read], 2)[:, :, :144]
+                        for j in (0, 1))  # fmt: skip
+        want_k, want_v = np.zeros_like(got_k), np.zeros_like(got_v)
+        for r in range(3):
+            for t in range(2):
+                if valid[r, t]:
+                    p = int(positions[r, t])
+                    want_k[r, :, p] = np.asarray(k[r, t].astype(jnp.bfloat16), np.float32)
+                    want_v[r, :, p] = np.asarray(v[r, t].astype(jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(got_k, want_k)
+        np.testing.assert_array_equal(got_v, want_v)

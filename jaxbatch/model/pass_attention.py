@@ -17,7 +17,7 @@ from jax import Array
 
 from jaxbatch.model.attention import Partial, causal, merge, partial
 from jaxbatch.model.kernels import fused_partial, paged_decode
-from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache
+from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache, values
 
 # A flat pass's rows attend to the pass's own keys in blocks of this many rows, each over the
 # rows up to its own block's end: a slot's rows are consecutive and in position order, so no row
@@ -47,8 +47,9 @@ def pass_attention(
     least its rows' first positions, see `Buckets.shape_fields`)."""
     decode = index.slots is None and not index.tiles and q.shape[1] == 1
     if attention == "pallas" and written and ctx_len and decode and isinstance(cache, PagedCache):
-        return merge([paged_decode(q, cache.k[layer], cache.v[layer], index.positions,
-                                   index.valid, index.block_table)], q.dtype)  # fmt: skip
+        k, v = values(cache.k[layer]), values(cache.v[layer])
+        return merge([paged_decode(q, k, v, index.positions, index.valid, index.block_table)],
+                     q.dtype)  # fmt: skip
     part = fused_partial if attention == "cudnn" else partial
     # A flat pass never reads its own keys back from the cache: its rows attend to them in one
     # product over the pass's rows, and read only the context cached before the pass (its
