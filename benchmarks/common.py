@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark scripts: a config on one of the repository's models, a decode
 plan, medians.
 
-A model name is a config of `configs/model/` (tiny, small), optionally with `-kvN` for N KV heads:
-`tiny-kv4` is the tiny model with plain multi-head attention (one query head per KV head)."""
+A model name is a config of `configs/model/` (tiny, small), optionally with `-kvN` for N KV heads
+and `-bf16` for bfloat16 weights, matmul inputs and KV cache: `tiny-kv4` is the tiny model with
+plain multi-head attention (one query head per KV head), `tiny-kv4-bf16` the same in bfloat16."""
 
 from __future__ import annotations
 
@@ -30,10 +31,15 @@ from jaxbatch.sched.state import DECODE, Plan  # noqa: E402
 
 def model_config(model: str) -> ModelConfig:
     """A model name (see above) as its config."""
-    name, _, kv = model.partition("-kv")
+    name, *options = model.split("-")
     cfg = model_preset(name)
-    if kv:
-        cfg.n_kv_heads = int(kv)
+    for option in options:
+        if option.startswith("kv") and option[2:].isdigit():
+            cfg.n_kv_heads = int(option[2:])
+        elif option == "bf16":
+            cfg.dtype = "bfloat16"
+        else:
+            raise SystemExit(f"model {model!r}: unknown option {option!r} (valid: kvN, bf16)")
     return cfg
 
 

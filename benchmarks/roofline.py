@@ -1,15 +1,16 @@
 """Every pass kind against this machine's roofline, measured in one process.
 
 First the machine (`calibrate.machine`): read bandwidth (a jitted sum over 64 and 256 MiB; the
-best counts) and matmul peak (a jitted 2048 x 2048 float32 matmul). Then each pass over a grid,
-on the tiny model with 2 and 4 KV heads and on the `small` model:
+best counts) and matmul peak (a jitted 2048 x 2048 matmul, its inputs in the model's dtype:
+float32, or bfloat16 for a `-bf16` model, accumulated in float32). Then each pass over a grid,
+on the tiny model with 2 and 4 KV heads and on the `small` model (`--models`):
   decode   slots 1..64 x context 64..1024 (every slot decoding at that context);
   prefill  1..16 prompts x 16..512 tokens (from position 0);
   mixed    token budgets 64..512 on 16 slots: 15 decodes at context 256 and one prompt chunk
            filling the budget, starting at position 128 (a second chunk).
 Per shape it prints the median pass time, the bytes and FLOPs the pass needs, and the share of
 the roofline it reaches: max(bytes / bandwidth, FLOPs / peak) / time.
-  bytes: every weight once (float32; embedding rows used only), the K/V of every cached position
+  bytes: every weight once (in its dtype; embedding rows used only), the K/V of every cached position
          a request reads (once per request, whatever its rows) and of every position it writes;
   FLOPs: 2 x matmul weights per token fed (the LM head per sampled row), attention 4 x heads x
          head_dim per (query, visible key) pair.
@@ -22,6 +23,7 @@ import argparse
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from common import decode_plan, model_spec
 
@@ -45,8 +47,9 @@ class Work:
     pairs: int
 
     def bytes(self, spec: ModelSpec) -> float:
-        weights = 4 * (spec.n_layers * layer_params(spec) + spec.vocab_size * spec.d_model)
-        embed = 4 * self.tokens * spec.d_model
+        size = jnp.dtype(spec.jnp_dtype).itemsize
+        weights = size * (spec.n_layers * layer_params(spec) + spec.vocab_size * spec.d_model)
+        embed = size * self.tokens * spec.d_model
         return weights + embed + spec.kv_bytes_per_token * (self.kv_read + self.tokens)
 
     def flops(self, spec: ModelSpec) -> float:
@@ -127,11 +130,16 @@ def main() -> None:
     ap.add_argument("--kinds", default="decode,prefill,mixed")
     args = ap.parse_args()
     bw, peak = machine(args.repeats)  # shared with jaxbatch-calibrate
+    peaks = {"float32": peak}
     print(f"machine: read {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.0f} GFLOP/s "
           f"(balance {peak / bw:.1f} FLOP/byte), backend {jax.default_backend()}")  # fmt: skip
     best: dict[str, float] = {}
     for name in args.models.split(","):
         spec = model_spec(name)
+        if spec.dtype not in peaks:
+            peaks[spec.dtype] = machine(args.repeats, spec.dtype)[1]
+            print(f"machine: matmul of {spec.dtype} inputs {peaks[spec.dtype] / 1e9:.0f} GFLOP/s")
+        peak = peaks[spec.dtype]
         print(f"\n{name}: {spec.num_params / 1e6:.1f}M parameters, {spec.n_heads} heads / "
               f"{spec.n_kv_heads} KV heads")  # fmt: skip
         print(f"  {'kind':<8}{'shape':<42}{'ms':>9}{'MB':>9}{'GFLOP':>9}  bound   roof ms  share")

@@ -72,8 +72,9 @@ def fastest(fn, repeats: int) -> float:
     return min(_times(fn, repeats))
 
 
-def machine(repeats: int = 5) -> tuple[float, float]:
-    """(read bytes/s, matmul FLOP/s): the best this process reaches, each from its fastest run.
+def machine(repeats: int = 5, dtype: str = "float32") -> tuple[float, float]:
+    """(read bytes/s, matmul FLOP/s): the best this process reaches, each from its fastest run;
+    the matmul's inputs in `dtype`, accumulated in float32 (as the model's matmuls).
     A median counted this shared VM's slow moments against the limit: the same 2048 x 2048
     matmul's median read 233 and 307 GFLOP/s minutes apart, and passes then appeared faster
     than their roofline."""
@@ -82,8 +83,8 @@ def machine(repeats: int = 5) -> tuple[float, float]:
     for mib in (64, 256):
         x = jnp.ones(mib * 2**20 // 4, jnp.float32)
         bandwidth = max(bandwidth, mib * 2**20 / fastest(lambda x=x: total(x), 4 * repeats))
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
+    a = jnp.ones((2048, 2048), dtype)
+    matmul = jax.jit(lambda a: jax.lax.dot(a, a, preferred_element_type=jnp.float32))
     peak = 2 * 2048**3 / fastest(lambda: matmul(a), 4 * repeats)
     return bandwidth, peak
 
