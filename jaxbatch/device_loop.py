@@ -259,7 +259,7 @@ def run_device(
         named = key and _named(policy)
         if named:  # found on disk by what makes it, without tracing it (`executables`)
             static = ("device_loop.segment", named, backend.program_key, size, window)
-            run = compiled(jitted, static, args)
+            run = compiled(jitted, static, args, keep=False)  # kept below, PROGRAMS_KEPT at most
         else:
             run = jitted.lower(*args).compile()
         if key:

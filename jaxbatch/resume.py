@@ -106,12 +106,19 @@ def latest_step(path: Path) -> int | None:
     return ocp.CheckpointManager(Path(path).resolve()).latest_step()
 
 
+# A bfloat16 KV cache is stored as bfloat16, or on the CPU as its bit patterns (uint16).
+_CACHE_STORES = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)}
+
+
 def _placed_as(value, leaf):
     """A restored array placed as the rebuilt run's own: on its devices if it was committed to
     them (a mesh), else uncommitted, as the arrays the passes were compiled for (a committed
-    argument would compile them again)."""
+    argument would compile them again), and in its dtype where a KV cache's storage differs."""
+    value = np.asarray(value)
     if not isinstance(leaf, jax.Array):
-        return np.asarray(value)
+        return value
+    if {value.dtype, leaf.dtype} == _CACHE_STORES:  # a cache saved on another platform
+        value = value.view(leaf.dtype)  # the same bits (`kvcache.storage_dtype`)
     if leaf.committed:
         return jax.device_put(value, leaf.sharding)
     return jnp.asarray(np.asarray(value))

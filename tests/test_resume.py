@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxbatch.config import ConfigError, MemoryConfig, WorkloadConfig, validate
-from jaxbatch.resume import config_of, latest_step
+from jaxbatch.resume import _placed_as, config_of, latest_step
 from jaxbatch.run import simulate
 from jaxbatch.workload import from_config
 from tests.conftest import make_config
@@ -81,3 +82,15 @@ def test_resume_needs_a_checkpoint(tmp_path):
     cfg.engine.loop, cfg.output.checkpoint_every = "device", 5
     with pytest.raises(ConfigError, match="engine.loop='device'.*need the host loop"):
         validate(cfg)
+
+
+def test_a_bfloat16_cache_saved_on_another_platform_is_restored_bit_for_bit():
+    """A bfloat16 KV cache is stored as bfloat16 on a GPU or TPU and as its bit patterns (uint16)
+    on the CPU (`kvcache.storage_dtype`): restored into the other storage, it keeps its bits,
+    never a numeric cast."""
+    values = jnp.array([1.5, -2.25, 3e-3, 0.0], jnp.bfloat16)
+    bits = np.asarray(values).view(np.uint16)
+    as_bits = _placed_as(np.asarray(values), jnp.zeros(4, jnp.uint16))
+    assert as_bits.dtype == jnp.uint16 and (np.asarray(as_bits) == bits).all()
+    as_values = _placed_as(bits, jnp.zeros(4, jnp.bfloat16))
+    assert as_values.dtype == jnp.bfloat16 and (np.asarray(as_values) == np.asarray(values)).all()

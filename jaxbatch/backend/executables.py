@@ -44,15 +44,17 @@ def clear() -> None:
     _compiled.clear()
 
 
-def compiled(jitted, static: tuple, args: tuple):
+def compiled(jitted, static: tuple, args: tuple, keep: bool = True):
     """`jitted` (a `jax.jit` function) compiled for `args`: the process's copy, else the store's,
     else compiled now (and saved). `static` names the program and every static argument it was
-    made with (reprs that do not change between processes)."""
+    made with (reprs that do not change between processes). `keep=False`: not kept for the
+    process here (a caller that keeps its programs itself, with its own bound)."""
     key = _key(static, args)
     program = _compiled.get(key)
     if program is None:
         program = _load(key) or _compile(jitted, args, key)
-        _compiled[key] = program
+        if keep:
+            _compiled[key] = program
     return program
 
 
