@@ -333,6 +333,7 @@ _start_jit = jax.jit(_start, static_argnames="max_passes")
 # policy is also saved whole (`executables`): a new process loads it without tracing (for the
 # runner's realistic continuous run, a warm-up of 1.9 s against 4.7 s from JAX's cache alone).
 _programs: dict = {}
+_sweep_programs: dict = {}  # `run_sweep`'s: each width's program and narrowing, kept likewise
 PROGRAMS_KEPT = 8
 
 
@@ -357,6 +358,7 @@ def _named(policy: Policy) -> tuple | None:
 def clear_programs() -> None:
     """Forget the kept segments (tests drop their compiled programs module by module)."""
     _programs.clear()
+    _sweep_programs.clear()
 
 
 def _result(cols: dict, final: SchedState, backend: Backend, unit, counts, interrupted=False):
@@ -453,8 +455,7 @@ def run_sweep(
     rows = int(np.clip(SWEEP_BYTES // (g * row_bytes), 16 * wide, max_passes * wide))
     backend = backends[0]
     compiles0, hits0, t0 = num_compiles(), cache_hits(), time.perf_counter()
-    start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=0)))
-    record = jax.jit(_sweep_record, static_argnums=(0, 1))
+    start, record = _sweep_start, _sweep_record_jit
     trees = [
         (stack([params[i] for i in idx]), stack([backends[i].consts() for i in idx]),
          start(stack([states[i] for i in idx])), record(rows, b))
@@ -462,9 +463,16 @@ def run_sweep(
     ]  # fmt: skip
     segment = jax.jit(partial(sweep_segment, policy, backend, max_passes), donate_argnums=(2, 3))
     take = jax.jit(_take)
-    programs, gathers = {}, {}
-    # each width once (groups of one size share their programs); the warm-up writes the
-    # record's first rows, which the run writes again before anything reads them
+    # Kept for the next sweep of the same program in the process, as `run_device`'s segments.
+    leaves, tree = jax.tree.flatten(trees[0][:3])
+    key = (policy, backend.program_key, max_passes, rows, tree,
+           tuple((x.shape[1:], x.dtype, getattr(x, "sharding", None)) for x in leaves))  # fmt: skip
+    programs, gathers = _sweep_programs.setdefault(key, ({}, {}))
+    while len(_sweep_programs) > PROGRAMS_KEPT:
+        del _sweep_programs[next(iter(_sweep_programs))]
+    # each width once (groups of one size share their programs; a width compiled by an earlier
+    # sweep is neither compiled nor run again); the warm-up writes the record's first rows,
+    # which the run writes again before anything reads them
     trees = [(*tree[:3], _compile_widths(segment, take, tree, programs, gathers))
              for tree in trees]  # fmt: skip
     warmup_s, compiles_warm, t0 = time.perf_counter() - t0, num_compiles(), time.perf_counter()
@@ -486,6 +494,10 @@ def run_sweep(
     return results
 
 
+_sweep_start = jax.jit(jax.vmap(partial(_start, carry=(), max_passes=0)))
+_sweep_record_jit = jax.jit(_sweep_record, static_argnums=(0, 1))
+
+
 def _take(tree, idx):
     """A group's params, consts and carry narrowed to the lanes `idx` (the record is flat, a row
     per member and iteration, so it serves every width as it is)."""
@@ -502,10 +514,13 @@ def _compile_widths(segment, take, tree, programs: dict, gathers: dict) -> dict:
     it to the next, compiled (those not in `programs` and `gathers` yet) and run once each on a
     copy of the group's start (XLA's first run of a program costs far more than later ones),
     writing the record's first rows. Returns the record, which the runs donate."""
+    widths = _widths(len(tree[2][2]))
+    steps = list(zip(widths, widths[1:] + [0]))
+    if all(w in programs and (not to or (w, to) in gathers) for w, to in steps):
+        return tree[3]  # every program compiled and run once by an earlier sweep
     group, rec = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree[:3]), tree[3]
-    widths = _widths(len(group[2][2]))
     zero = jnp.int32(0)
-    for w, to in zip(widths, widths[1:] + [0]):
+    for w, to in steps:
         if w not in programs:
             programs[w] = segment.lower(*_at_width(group, w), rec, zero, zero, zero).compile()
             _, carry, rec = programs[w](*group, rec, zero, zero, jnp.int32(1))

@@ -107,6 +107,13 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(
             )
     assert len({r.record.num_passes for r in together}) == 3  # really different runs
     assert [list(k) for k in narrowed if k is not None] == kept
+    # The same sweep again in the process: its programs kept, nothing compiled, the same runs.
+    again = run_sweep(policy, [params] * 3, states, [sim] * 3, 512, groups)
+    assert again[0].num_compiles == 0
+    for first, second in zip(together, again, strict=True):
+        for field in RECORD_FIELDS + ("start", "duration"):
+            np.testing.assert_array_equal(getattr(first.record, field),
+                                          getattr(second.record, field))  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
