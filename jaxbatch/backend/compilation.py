@@ -4,8 +4,7 @@ With the compile cache on, a run whose shapes an earlier run compiled loads them
 instead of compiling: a sweep's second job, or a repeated run, warms up in a fraction of the
 time. The cache is JAX's persistent compilation cache, and in its `executables/` folder the
 runner's passes and the device loop's programs whole (executables.py), which load without
-tracing. A cache hit is not counted as
-a compilation. Never compile anything here.
+tracing. A cache hit is not counted as a compilation. Never compile anything here.
 """
 
 from __future__ import annotations
