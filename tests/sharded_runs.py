@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 
+from jaxbatch import device_loop
 from jaxbatch.backend import compilation, executables
 from jaxbatch.config import MemoryConfig, MeshConfig, ModelConfig, validate
 from jaxbatch.run import build_backend, memory_spec, simulate
@@ -48,21 +49,25 @@ def main() -> None:
             "again": [t.tolist() for t in again.outputs],
             "steady_compiles": again.num_compiles if host else res.compiles_after_warmup,
         }
-    # Passes saved whole on a mesh of 4 of the 8 devices, then loaded as another process would.
+    # Passes, and a device loop's program, saved whole on a mesh of 4 of the 8 devices, then
+    # loaded as another process would.
     with tempfile.TemporaryDirectory() as folder:
-        cfg = make_config("continuous", num_slots=8, clock="passes", warmup=True,
-                          compile_cache=folder)  # fmt: skip
-        cfg.model, cfg.mesh = MODEL, MeshConfig(data=2, model=2)
-        first = simulate(cfg, w)
-        executables.clear()
-        jax.clear_caches()
-        again = simulate(cfg, w)
-        out["stored/2x2"] = {
-            "tokens": [t.tolist() for t in first.outputs],
-            "again": [t.tolist() for t in again.outputs],
-            "saved": len(list((Path(folder) / "executables").glob("*.exe"))),
-            "compiles": again.num_compiles, "hits": again.cache_hits,
-        }  # fmt: skip
+        for loop in ("host", "device"):
+            cfg = make_config("continuous", num_slots=8, clock="passes", warmup=True,
+                              compile_cache=folder, loop=loop)  # fmt: skip
+            cfg.model, cfg.mesh = MODEL, MeshConfig(data=2, model=2)
+            saved = set((Path(folder) / "executables").glob("*.exe"))
+            first = simulate(cfg, w)
+            executables.clear()
+            device_loop.clear_programs()
+            jax.clear_caches()
+            again = simulate(cfg, w)
+            out[f"stored/2x2/{loop}"] = {
+                "tokens": [t.tolist() for t in first.outputs],
+                "again": [t.tolist() for t in again.outputs],
+                "saved": len(set((Path(folder) / "executables").glob("*.exe")) - saved),
+                "compiles": again.num_compiles, "hits": again.cache_hits,
+            }  # fmt: skip
         compilation.use_cache(None)
     # Where a 2x4 runner puts its arrays (PARAM_RULES, cache_sharding).
     cfg = make_config("continuous", num_slots=8)

@@ -48,11 +48,15 @@ def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
 
 
 def test_passes_saved_on_part_of_the_devices_load_onto_those_devices(runs):
-    """A 2x2 mesh of the 8 devices: its passes, loaded from the compile cache's store, run on
-    the mesh's 4 devices and give the single-device tokens."""
-    stored = runs["stored/2x2"]
-    assert stored["tokens"] == stored["again"] == runs["contiguous/continuous/host/1x1"]["tokens"]
-    assert stored["saved"] > 0 and stored["compiles"] == 0 and stored["hits"] >= stored["saved"]
+    """A 2x2 mesh of the 8 devices: its passes, and the device loop's program, loaded from the
+    compile cache's store, run on the mesh's 4 devices and give the single-device tokens."""
+    alone = runs["contiguous/continuous/host/1x1"]["tokens"]
+    for loop in ("host", "device"):
+        stored = runs[f"stored/2x2/{loop}"]
+        assert stored["tokens"] == stored["again"] == alone, loop
+        assert stored["saved"] > 0 and stored["compiles"] == 0, loop
+        assert stored["hits"] >= stored["saved"], loop
+    assert runs["stored/2x2/device"]["saved"] == 1  # the loop's program (no pass of its own)
 
 
 def test_parameters_and_caches_sit_where_the_rules_say(runs):
