@@ -63,7 +63,7 @@ class RunnerStep:
         self.num_branches = len(self.shapes)  # warm-up runs each once
         # Shapes of the same rows (kind, rows, tokens per row, query tiles) share a path: a
         # switch over their contexts. The decodes' path comes first (kind 0).
-        self.paths = sorted({_vector(s)[:3] + (s.tiles,) for s in self.shapes})
+        self.paths = sorted({_path(s) for s in self.shapes})
 
     def vector(self, plan: Plan, xp=np):
         """A plan's shape (`Buckets.shape_fields`) as `_vector` writes a PassShape."""
@@ -114,7 +114,7 @@ class RunnerStep:
         warm = warm_branch >= 0
         shape = jnp.where(warm, warm_branch, jnp.argmax(hit))
         found = warm | (hit.any() & ~skip)
-        keys = [_vector(s)[:3] + (s.tiles,) for s in self.shapes]
+        keys = [_path(s) for s in self.shapes]
         path = jnp.array([self.paths.index(k) for k in keys])[shape]
         at = jnp.array([self._members(k).index(s) for k, s in zip(keys, self.shapes)])[shape]
 
@@ -169,7 +169,7 @@ class RunnerStep:
 
     def _members(self, key: tuple) -> list[PassShape]:
         """The shapes of one path (`self.paths`), in order of context."""
-        return [s for s in self.shapes if _vector(s)[:3] + (s.tiles,) == key]
+        return [s for s in self.shapes if _path(s) == key]
 
     def outputs(self, num_generated: np.ndarray) -> list[np.ndarray]:
         return self.runner.outputs(num_generated)
@@ -179,3 +179,9 @@ def _vector(s: PassShape) -> tuple[int, int, int, int, int]:
     """A shape as (kind: 0 decode, 1 flat, 2 prefill; rows, tokens, context, query tiles)."""
     kind = 0 if s.all_slots else (1 if s.flat else 2)
     return kind, s.rows, s.tokens, s.context, s.tiles
+
+
+def _path(s: PassShape) -> tuple[int, int, int, int]:
+    """The path a shape runs in (`RunnerStep.paths`): its kind, rows, tokens and query tiles."""
+    kind, rows, tokens, _, tiles = _vector(s)
+    return kind, rows, tokens, tiles
