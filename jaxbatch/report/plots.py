@@ -94,14 +94,44 @@ def plot_timelines(panels: list[tuple[str, Record]], path: Path) -> None:
     plt.close(fig)
 
 
+# A panel's legend or axis names at most this many runs. A sweep of more runs gets a colour each
+# from a continuous map (tab10 has ten), its legend beside the panels in columns, and its bars
+# numbered by their row in summary.csv: inside a panel, 64 runs' labels hid the data.
+FEW_RUNS = 10
+
+
+def run_colors(n: int) -> list:
+    """A distinct colour for each of n runs: tab10's up to FEW_RUNS, then evenly along viridis."""
+    if n <= FEW_RUNS:
+        return list(plt.get_cmap("tab10").colors[:n])
+    return [plt.get_cmap("viridis")(i / (n - 1)) for i in range(n)]
+
+
+def _save_with_legend(fig, ax, n: int, loc: str, path: Path) -> None:
+    """Save a figure of n runs' panels (a constrained layout) with their legend: inside the first
+    panel for a few runs, beside the panels for many."""
+    if n <= FEW_RUNS:
+        ax.legend(fontsize=7, loc=loc)
+    else:
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=6,
+                   ncols=-(-n // 24))  # fmt: skip
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_bars(labels: list[str], metrics: dict[str, list[float]], path: Path) -> None:
-    """One small bar chart per metric, one bar per run."""
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False)
+    """One small bar chart per metric, one bar per run (numbered by their row in summary.csv
+    beyond FEW_RUNS runs)."""
+    n = len(labels)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False,
+                             layout="constrained")  # fmt: skip
     for ax, (name, values) in zip(axes[0], metrics.items()):
-        ax.bar(range(len(values)), values, color=plt.get_cmap("tab10").colors[: len(values)])
-        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+        ax.bar(range(len(values)), values, color=run_colors(len(values)))
+        if n <= FEW_RUNS:
+            ax.set_xticks(range(n), labels, rotation=30, ha="right", fontsize=8)
+        else:
+            ax.set_xlabel("run (its row in summary.csv)", fontsize=8)
         ax.set_title(name, fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -128,34 +158,32 @@ def plot_memory(record: Record, capacity: int, path: Path, title: str) -> None:
 def plot_tradeoff(labels: list[str], throughput: list[float], latency: dict[str, list[float]],
                   path: Path) -> None:  # fmt: skip
     """Throughput against latency: one panel per latency metric, one point per run."""
-    fig, axes = plt.subplots(1, len(latency), figsize=(4 * len(latency), 3.4), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, len(latency), figsize=(4 * len(latency), 3.4), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    colors = run_colors(len(labels))
     for ax, (name, values) in zip(axes[0], latency.items()):
-        for i, (label, x, y) in enumerate(zip(labels, values, throughput)):
-            ax.scatter(x, y, color=colors[i % 10], label=label, s=24)
+        for label, x, y, color in zip(labels, values, throughput, colors):
+            ax.scatter(x, y, color=color, label=label, s=24)
         ax.set_xlabel(f"{name} (s)")
         ax.set_ylabel("output tok/s")
-    axes[0, 0].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_with_legend(fig, axes[0, 0], len(labels), "best", path)
 
 
 def plot_cdfs(series: dict[str, dict[str, np.ndarray]], path: Path) -> None:
     """Empirical CDFs of per-request latencies: one panel per metric, one line per run."""
     metrics = list(next(iter(series.values())))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    colors = run_colors(len(series))
     for ax, metric in zip(axes[0], metrics):
-        for label, values in series.items():
+        for (label, values), color in zip(series.items(), colors):
             x = np.sort(values[metric][np.isfinite(values[metric])])
             if len(x):
-                ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
+                ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label,
+                        color=color)  # fmt: skip
         ax.set_xlabel(f"{metric} (s)")
         ax.set_ylabel("share of requests")
-    axes[0, 0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_with_legend(fig, axes[0, 0], len(series), "lower right", path)
 
 
 def plot_against(field: str, lines: dict[str, tuple[list, dict[str, list[float]]]],
@@ -163,14 +191,16 @@ def plot_against(field: str, lines: dict[str, tuple[list, dict[str, list[float]]
     """Metrics against one swept field: one panel per metric, one line per value of the other
     swept fields (`lines`: label -> (the field's values, metric -> values))."""
     metrics = list(next(iter(lines.values()))[1])
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    colors = run_colors(len(lines))
     for ax, metric in zip(axes[0], metrics):
-        for label, (xs, ys) in lines.items():
-            ax.plot(xs, ys[metric], marker="o", label=label or None)
+        for (label, (xs, ys)), color in zip(lines.items(), colors):
+            ax.plot(xs, ys[metric], marker="o", label=label or None, color=color)
         ax.set_xlabel(field)
         ax.set_title(metric, fontsize=9)
     if any(lines):
-        axes[0, 0].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        _save_with_legend(fig, axes[0, 0], len(lines), "best", path)
+    else:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
