@@ -48,8 +48,9 @@ def _colour(handle) -> tuple:
 
 
 @pytest.mark.parametrize("runs", [3, 40])
-def test_a_sweeps_figures_keep_their_legend_off_the_data_and_a_colour_per_run(tmp_path, monkeypatch,
-                                                                              runs):
+def test_a_sweeps_figures_keep_their_legend_off_the_data_and_a_colour_per_run(
+    tmp_path, monkeypatch, runs
+):
     """A 64-run sweep's legend covered its panels and tab10's ten colours repeated: a few runs'
     legend sits in the first panel; many runs' beside the panels, overlapping none, and each run
     has its own colour, and the bars are numbered, not labelled by run."""
