@@ -35,20 +35,20 @@ class Simulator:
         # device loop (`device_loop.run_device`).
         self.program_key = (Simulator, self.buckets, priced and (spec, *priced))
         self._tokens = jnp.zeros(num_slots, jnp.int32)
-        self._price = self.price_plan = None
+        self._price = self._priced = None
         if priced is not None:
             hw, tp = priced
 
-            def priced(
-                num_tokens, start_pos, kind, mixed_rows=None
-            ) -> Array:  # jnp: a pass's price
-                plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
-                padded = runner_shape(self.buckets, plan, jnp, mixed_rows)
-                return price(spec, hw, num_tokens, start_pos, num_tokens > 0, tp, padded, kind)
+            def at_shape(plan: Plan, padded) -> Array:  # jnp: a pass's price at its shape
+                sampled = plan.num_tokens > 0
+                return price(spec, hw, plan.num_tokens, plan.start_pos, sampled, tp, padded,
+                             plan.kind)  # fmt: skip
 
-            self._price = jax.jit(priced)
-            self.price_plan = lambda plan, rows: priced(plan.num_tokens, plan.start_pos,
-                                                        plan.kind, rows)  # fmt: skip
+            def host_price(num_tokens, start_pos, kind) -> Array:
+                plan = Plan(num_tokens, num_tokens, start_pos, kind, jnp.float32(0), None)
+                return at_shape(plan, runner_shape(self.buckets, plan, jnp))
+
+            self._price, self._priced = jax.jit(host_price), at_shape
 
     num_branches = 0  # the device loop's warm-up: nothing to run once
 
@@ -68,10 +68,10 @@ class Simulator:
         price on the target hardware, or one pass on the `passes` clock) and its shape by the
         host loop's rule. Has no device state, so `skip` and `warm_branch` change nothing."""
         (mixed_rows,) = consts
-        cost = jnp.float32(1.0) if self.price_plan is None else self.price_plan(plan, mixed_rows)
-        rows, tokens, context, _ = self.buckets.shape_fields(plan, jnp, mixed_rows)
+        padded = runner_shape(self.buckets, plan, jnp, mixed_rows)  # priced and recorded
+        cost = jnp.float32(1.0) if self._priced is None else self._priced(plan, padded)
         zeros = jnp.zeros(plan.num_tokens.shape, jnp.int32)
-        return carry, zeros, cost.astype(jnp.float32), (rows, tokens, context)
+        return carry, zeros, cost.astype(jnp.float32), (padded.rows, padded.tokens, padded.context)
 
     def warmup(self, shapes: list[PassShape], stop=None) -> None:
         """Nothing to compile but the cost model."""
