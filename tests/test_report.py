@@ -61,7 +61,7 @@ def test_a_sweeps_figures_keep_their_legend_off_the_data_and_a_colour_per_run(
     latency = {k: list(rng.random(runs)) for k in ("ttft_s", "tpot_s")}
     series = {label: {k: rng.random(6) for k in latency} for label in labels}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # matplotlib's "Tight layout not applied" among them
+        warnings.simplefilter("error", UserWarning)  # matplotlib's "Tight layout not applied"
         plots.plot_tradeoff(labels, list(rng.random(runs)), latency, tmp_path / "t.png")
         plots.plot_cdfs(series, tmp_path / "c.png")
         plots.plot_bars(labels, {"num_passes": list(range(runs))}, tmp_path / "b.png")
