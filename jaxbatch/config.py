@@ -19,7 +19,8 @@ from jaxbatch.model.kernels import ATTENTION, choose
 from jaxbatch.model.spec import DTYPES, ModelSpec
 
 # The configs live beside the package (DESIGN.md layout); an editable install finds them here.
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CHECKOUT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(CHECKOUT / "configs")
 POLICY_NAMES = ("static", "continuous", "orca", "chunked")
 PRESETS = (  # configs/model/: dimensions of public models, for the cost model
     "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
@@ -508,4 +509,7 @@ def _hardware(cfg: Config) -> None:
 
 
 def register() -> None:
+    """The schema, and `${jaxbatch_checkout:}`: the checkout's folder, so that a shipped config can
+    name a file beside it (the traces in ../shared/traces) whatever folder a run starts in."""
     ConfigStore.instance().store(name="jaxbatch_schema", node=Config)
+    OmegaConf.register_new_resolver("jaxbatch_checkout", lambda: str(CHECKOUT), replace=True)

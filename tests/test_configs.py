@@ -124,3 +124,19 @@ def test_each_study_has_an_experiment_preset_that_composes(name, params):
     assert hydra_cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")
     validate(cfg)
     assert cfg.output.progress is False
+
+
+@pytest.mark.parametrize("name, rows", [("code", 200), ("conv", 200)])
+def test_the_trace_workloads_read_the_traces_beside_the_checkout_from_any_folder(
+    tmp_path, monkeypatch, name, rows
+):
+    """`workload=azure_code` named ../shared/traces relative to the folder a run started in, so a
+    run started anywhere but the checkout found no trace."""
+    from jaxbatch.workload import from_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _composed_with([f"workload=azure_{name}"]).workload
+    traces = Path(CONFIG_DIR).parents[1] / "shared" / "traces"
+    assert Path(cfg.path).resolve() == (traces / f"azure_llm_2023_{name}.csv").resolve()
+    w = from_config(cfg, base_dir=tmp_path)  # the CLI's base: the folder the run started in
+    assert len(w) == rows == cfg.limit
