@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from jaxbatch.config import Config, ConfigError
+from jaxbatch.model.kvcache import other_storage
 
 KEEP = 2
 CONFIG = "config.yaml"
@@ -106,10 +107,6 @@ def latest_step(path: Path) -> int | None:
     return ocp.CheckpointManager(Path(path).resolve()).latest_step()
 
 
-# A bfloat16 KV cache is stored as bfloat16, or on the CPU as its bit patterns (uint16).
-_CACHE_STORES = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)}
-
-
 def _placed_as(value, leaf):
     """A restored array placed as the rebuilt run's own: on its devices if it was committed to
     them (a mesh), else uncommitted, as the arrays the passes were compiled for (a committed
@@ -117,11 +114,11 @@ def _placed_as(value, leaf):
     value = np.asarray(value)
     if not isinstance(leaf, jax.Array):
         return value
-    if {value.dtype, leaf.dtype} == _CACHE_STORES:  # a cache saved on another platform
+    if value.dtype == other_storage(leaf.dtype):  # a cache saved on another platform
         value = value.view(leaf.dtype)  # the same bits (`kvcache.storage_dtype`)
     if leaf.committed:
         return jax.device_put(value, leaf.sharding)
-    return jnp.asarray(np.asarray(value))
+    return jnp.asarray(value)
 
 
 def restore(path: Path, like: Carry) -> Carry:

@@ -39,6 +39,13 @@ def storage_dtype(dtype) -> jnp.dtype:
     return _BITS.get(dtype, dtype) if jax.default_backend() == "cpu" else dtype
 
 
+def other_storage(dtype) -> jnp.dtype | None:
+    """The other platforms' storage of the same cache values (bfloat16 <-> its uint16 bit
+    patterns), to restore a cache saved on another platform (`resume`); None for the rest."""
+    dtype = jnp.dtype(dtype)
+    return _BITS.get(dtype, _VALUES.get(dtype))
+
+
 def values(stored: Array) -> Array:
     """A cache array as its values (a bitcast of a bit-pattern store; else as it is)."""
     dtype = _VALUES.get(stored.dtype)
