@@ -189,7 +189,7 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
         return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced,
-                         min_read(spec.max_len, memory.paged))  # fmt: skip
+                         min_read(spec.max_len, memory.paged), cfg.mesh.data == 1)  # fmt: skip
     return Runner(
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,

@@ -122,6 +122,46 @@ def test_a_decode_pass_on_a_plan_it_does_not_fit_changes_nothing(spec, params):
         assert all((a == b).all() for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
 
 
+def test_a_decode_of_few_slots_runs_their_rows_alone_with_the_all_slot_decodes_results(
+    spec, params
+):
+    """A decode feeding 2 of 8 slots runs at 2 rows (`Buckets.decode_width`, the host's shape of
+    its plan) and writes the K/V and draws the tokens the decode over every slot does, bit for
+    bit; the slots it does not feed draw nothing. A decode of 3 slots does not fit those 2 rows:
+    dispatched on them, it feeds nothing and changes nothing."""
+    n = 8
+    w = make_workload([5, 9, 3, 7, 4, 6, 8, 2], [4] * n)
+    runners = [Runner(spec, params, n, w.prompts(spec.vocab_size, spec.max_len), w.prompt_len)
+               for _ in range(2)]  # fmt: skip
+    table = np.zeros((n, 0), np.int32)
+
+    def plan(kind, req, num_tokens, start):
+        return Plan(*(np.asarray(x, np.int32) for x in (req, num_tokens, start)),
+                    np.int32(kind), np.float32(0), table)  # fmt: skip
+
+    prefill = plan(PREFILL, np.arange(n), w.prompt_len, np.zeros(n))
+    fed = np.isin(np.arange(n), [1, 6])
+    decode = plan(DECODE, np.where(fed, np.arange(n), -1), fed, np.where(fed, w.prompt_len, 0))
+    compact = runners[0].buckets.shape_of(decode)
+    assert (compact.rows, compact.compact, compact.all_slots) == (2, True, False)
+    results = []
+    for runner, shape in zip(runners, (compact, runners[1].buckets.decode(10))):
+        runner.execute(prefill, runner.buckets.shape_of(prefill))
+        tokens, _ = runner.execute(decode, shape)
+        results.append(jax.tree.map(np.asarray, (tokens, runner.cache, runner.token_buf)))
+    assert (results[0][0][~fed] == -1).all() and (results[0][0][fed] >= 0).all()
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    three = fed | (np.arange(n) == 0)
+    tokens, _ = runners[0].decode(
+        plan(DECODE, np.where(three, np.arange(n), -1), three, np.where(three, 10, 0)), compact
+    )
+    np.testing.assert_array_equal(tokens, np.full(n, -1))
+    after = jax.tree.map(np.asarray, (runners[0].cache, runners[0].token_buf))
+    for a, b in zip(jax.tree.leaves(results[0][1:]), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 TIGHT = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
 
 

@@ -120,10 +120,10 @@ def pass_work(
     s = jnp.asarray(start_pos, jnp.float32)
     if padded is None:  # the tokens fed; the LM head on the sampled rows
         tokens, rows = n.sum(), jnp.asarray(sampled, jnp.float32).sum()
-    else:  # every row of the bucket; the LM head on a prefill's rows, else on every slot
+    else:  # every row of the bucket; the LM head on each row, a mixed pass's on every slot
         bucket_rows = jnp.asarray(padded.rows, jnp.float32)
         tokens = bucket_rows * jnp.asarray(padded.tokens, jnp.float32)
-        rows = jnp.where(padded.kind == PREFILL, bucket_rows, padded.slots)
+        rows = jnp.where(padded.kind == MIXED, padded.slots, bucket_rows)
     w, a = _itemsize(spec.dtype), _itemsize(spec.dtype)
     layers, d = spec.n_layers, spec.d_model
     work = {}

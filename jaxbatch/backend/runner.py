@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
 from jaxbatch.backend.executables import abstract, compiled
-from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params
+from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params, splits_slots
 from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
     CacheIndex,
@@ -172,15 +172,25 @@ def decode_rows(plan: Plan, shape: PassShape):
     return slots, plan.req, plan.start_pos, fed, fed > 0, plan.block_table
 
 
+def compact_rows(plan: Plan, shape: PassShape):
+    """A compact decode's rows (`PassShape.compact`) from a plan's per-slot arrays: the fed slots
+    in slot order, as a prefill of one token each lays them out. A plan the shape does not fit
+    feeds nothing (see `decode_rows`)."""
+    fed = jnp.where(decode_fits(plan, shape), plan.num_tokens, 0).astype(jnp.int32)
+    return prefill_rows(plan.replace(num_tokens=fed), shape.rows, fed.shape[0], jnp)
+
+
 def _pass(params, cache, token_buf, prompt_len, request_ids, *rows, **static):
     """A whole pass, writing K/V as it goes. Returns cache, token buffer, slot tokens, logits.
-    A flat (mixed) or all-slot (decode) shape takes the plan and lays out its rows from it on the
-    device; a prefill shape takes its rows."""
+    A flat (mixed) or decode shape takes the plan and lays out its rows from it on the device;
+    a prefill shape takes its rows."""
     shape, num_slots = static["shape"], static["num_slots"]
     if shape.flat:
         rows = flatten(*rows, shape.rows, num_slots)
     elif shape.all_slots:
         rows = decode_rows(*rows, shape)
+    elif shape.compact:
+        rows = compact_rows(*rows, shape)
     cache, out = forward_rows(params, cache, token_buf, prompt_len, request_ids, *rows, **static)
     return cache, store_tokens(token_buf, out), out.tokens, out.logits
 
@@ -231,8 +241,9 @@ class Runner:
         self.spec, self.params, self.num_slots, self.mesh = spec, params, num_slots, mesh
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
-        self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows,
-                               min_read(spec.max_len, self.paged))  # fmt: skip
+        read = min_read(spec.max_len, self.paged)
+        self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, read,
+                               compact=not splits_slots(mesh))  # fmt: skip
         self.max_blocks = memory.max_blocks if memory else 0
 
         def new_cache() -> SlotCache | PagedCache:
@@ -274,10 +285,11 @@ class Runner:
 
     def _idle_rows(self, shape: PassShape) -> tuple:
         """Row arguments of a pass of `shape` that feeds nothing."""
-        n = self.num_slots if shape.flat else shape.rows
+        plan = shape.flat or shape.all_slots or shape.compact  # rows laid out from a plan
+        n = self.num_slots if plan else shape.rows
         zeros = np.zeros(n, np.int32)
         no_blocks = np.full((n, self.max_blocks), -1, np.int32)
-        if shape.flat or shape.all_slots:  # an empty plan: every slot feeds nothing
+        if plan:  # an empty plan: every slot feeds nothing
             return (Plan(zeros, zeros, zeros, np.int32(IDLE), np.float32(0), no_blocks),)
         idle_slot = np.full(n, self.num_slots, np.int32)
         return idle_slot, zeros, zeros, zeros, zeros > 0, no_blocks
@@ -320,9 +332,9 @@ class Runner:
         return rows
 
     def decode(self, plan: Plan, shape: PassShape) -> tuple[Array, Array | None]:
-        """A decode pass of `shape` over every slot, straight from a plan's arrays (on the device
-        or not). The host need not have seen the plan: if it is not a decode pass that fits
-        `shape`, the pass feeds nothing (see `decode_rows`)."""
+        """A decode pass of `shape`, straight from a plan's arrays (on the device or not). The
+        host need not have seen the plan: if it is not a decode pass that fits `shape`, the pass
+        feeds nothing (see `decode_rows`)."""
         return self._call(shape, plan)
 
     def carry(self) -> tuple:

@@ -70,7 +70,8 @@ class RunnerStep:
         rows, tokens, context, any_plan = self.buckets.shape_fields(plan, xp)
         decode, mixed = plan.kind == DECODE, plan.kind == MIXED
         tiles = xp.where(mixed, self.buckets.tiles(rows, any_plan, xp), 0)
-        kind = xp.where(decode, 0, xp.where(mixed, 1, 2))
+        # a decode below every slot runs as a prefill of one token a slot (`PassShape.compact`)
+        kind = xp.where(decode & (rows == self.buckets.num_slots), 0, xp.where(mixed, 1, 2))
         return xp.stack([xp.asarray(x, xp.int32) for x in (kind, rows, tokens, context, tiles)])
 
     def needed(self, record) -> set[PassShape]:

@@ -41,6 +41,11 @@ def make_mesh(data: int, model: int) -> Mesh:
     return Mesh(np.array(devices[: data * model]).reshape(data, model), AXES)
 
 
+def splits_slots(mesh: Mesh | None) -> bool:
+    """Whether a mesh splits the slots (and their caches) over its data axis."""
+    return mesh is not None and mesh.shape[AXES[0]] > 1
+
+
 def param_spec(path: str) -> P:
     for pattern, spec in PARAM_RULES:
         if re.fullmatch(pattern, path):

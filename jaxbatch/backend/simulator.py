@@ -29,8 +29,9 @@ class Simulator:
         spec: ModelSpec | None = None,
         priced: tuple[Hardware, int] | None = None,
         min_context: int = 0,
+        compact: bool = True,
     ):
-        self.buckets = Buckets(num_slots, max_len, min_bucket, mixed_rows, min_context)
+        self.buckets = Buckets(num_slots, max_len, min_bucket, mixed_rows, min_context, compact)
         # What the device step's program depends on: runs with equal keys share their compiled
         # device loop (`device_loop.run_device`).
         self.program_key = (Simulator, self.buckets, priced and (spec, *priced))
