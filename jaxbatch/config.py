@@ -34,6 +34,7 @@ HARDWARE_NAMES = (
 BACKENDS = ("runner", "simulator")
 CLOCKS = ("auto", "measured", "passes", "priced")
 LOOPS = ("auto", "host", "device")
+DECODE_ROWS = ("compact", "all")
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,10 @@ class EngineConfig:
     eos_id: int = -1  # -1: the model's (model.eos_id; none for random-init models)
     ignore_eos: bool = False  # run every request to its output budget, as trace replay requires
     min_bucket: int = 16
+    # compact: a decode of at most a quarter of the slots runs only their rows, a power of two of
+    # them (as vLLM's CUDA graphs take a bucket of the batch size); all: every decode runs every
+    # slot (a fixed batch, as JetStream's decode). Tokens are the same either way.
+    decode_rows: str = "compact"
     warmup: bool = True  # False: compile each shape on first use, inside the clock (tests)
     # host: one Python iteration per pass. device: the whole run as one compiled lax.while_loop
     # (on the runner with the measured clock, offline workloads only: it is timed as a whole).
@@ -389,6 +394,7 @@ def validate(cfg: Config) -> None:
             "engine.loop", e.loop, "the fused loop is now loop=device: use host or device"
         )
     _one_of("engine.loop", e.loop, LOOPS)
+    _one_of("engine.decode_rows", e.decode_rows, DECODE_ROWS)
     if e.loop == "device" and e.backend == "runner":
         if e.clock == "measured" and (w.kind != "synthetic" or w.arrival != "offline"):
             raise ConfigError(

@@ -188,13 +188,15 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
+        compact = e.decode_rows == "compact" and cfg.mesh.data == 1  # as the runner's
         return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced,
-                         min_read(spec.max_len, memory.paged), cfg.mesh.data == 1)  # fmt: skip
+                         min_read(spec.max_len, memory.paged), compact)  # fmt: skip
     return Runner(
         spec, model_params(cfg), e.num_slots,
         workload.prompts(spec.vocab_size, spec.max_len), workload.prompt_len, workload.ids,
         Sampling(e.temperature, e.top_k, e.seed), with_logits, e.min_bucket, memory, mixed_rows,
         make_mesh(cfg.mesh.data, cfg.mesh.model) if cfg.mesh.data * cfg.mesh.model > 1 else None,
+        compact=e.decode_rows == "compact",
     )  # fmt: skip
 
 

@@ -40,6 +40,12 @@ from jaxbatch.workload import WorkloadError, read_trace
         ),
         ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
         (
+            "engine",
+            "decode_rows",
+            "some",
+            "engine.decode_rows='some' is not valid: use one of compact, all",
+        ),
+        (
             "workload",
             "prompt.high",  # the default prompt's length is fixed (32): a range needs a dist
             2000,

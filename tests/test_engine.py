@@ -162,6 +162,27 @@ def test_a_decode_of_few_slots_runs_their_rows_alone_with_the_all_slot_decodes_r
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_decode_rows_all_runs_every_decode_at_every_slot_with_the_same_plans(loop):
+    """`engine.decode_rows`: compact (the default) runs a decode of at most a quarter of the
+    slots at the power of two at or above their count, `all` every decode at every slot; the
+    plans are the same (the simulator records the runner's shapes, both loops alike)."""
+    w = make_workload([5, 9, 3, 7, 4, 6, 8, 2, 12], [3, 20, 5, 9, 14, 2, 30, 6, 11])
+    runs = {}
+    for rows in ("compact", "all"):
+        cfg = make_config("continuous", num_slots=8, backend="simulator", clock="passes",
+                          loop=loop, decode_rows=rows)  # fmt: skip
+        runs[rows] = simulate(cfg, w).record
+    compact, every = runs["compact"], runs["all"]
+    for field in ("kind", "req", "num_tokens", "start_pos"):
+        np.testing.assert_array_equal(getattr(compact, field), getattr(every, field))
+    decodes = compact.kind == DECODE
+    fed = (compact.num_tokens[decodes] > 0).sum(axis=1)
+    width = np.where(fed <= 2, 1 << np.ceil(np.log2(fed)).astype(int), 8)  # quarter of 8: 2
+    np.testing.assert_array_equal(compact.rows[decodes], width)
+    assert (width < 8).any() and (every.rows[decodes] == 8).all()
+
+
 TIGHT = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
 
 

@@ -235,15 +235,18 @@ class Runner:
         memory: MemorySpec | None = None,
         mixed_rows: int = 0,
         mesh: Mesh | None = None,
+        compact: bool = True,
     ):
         """With a `mesh`, parameters, cache and buffers are placed on it (`sharding`); the
-        passes are the same jitted functions, partitioned by XLA from those placements."""
+        passes are the same jitted functions, partitioned by XLA from those placements.
+        `compact`: a decode of few slots runs only their rows (`Buckets.decode_width`), except
+        on a mesh that splits the slots."""
         self.spec, self.params, self.num_slots, self.mesh = spec, params, num_slots, mesh
         self.sampling, self.with_logits = sampling, with_logits
         self.paged = memory is not None and memory.paged
         read = min_read(spec.max_len, self.paged)
         self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, read,
-                               compact=not splits_slots(mesh))  # fmt: skip
+                               compact=compact and not splits_slots(mesh))  # fmt: skip
         self.max_blocks = memory.max_blocks if memory else 0
 
         def new_cache() -> SlotCache | PagedCache:
