@@ -86,8 +86,13 @@ def make_config(policy: str = "continuous", **engine) -> Config:
     """Tests keep the persistent compilation cache off, so that what an earlier run left on disk
     never changes their compile counts (test_compile_cache turns it on), and run without warm-up
     (each shape compiles on first use: only the shapes a run uses), unless warm-up is what they
-    test (`engine.warmup=True`: test_run, the device loop's config test, sharded_runs)."""
+    test (`engine.warmup=True`: test_run, the device loop's config test, sharded_runs). Their
+    decodes run every slot (`engine.decode_rows=all`): a decode of few slots is a shape of its
+    own, compiled, and with every bucket of them the suite took about a minute longer; the tests
+    of those decodes ask for them (`decode_rows="compact"`: test_engine, test_batch_invariance,
+    the device loop's config test)."""
     engine.setdefault("num_slots", 4)
+    engine.setdefault("decode_rows", "all")
     engine.setdefault("compile_cache", "off")
     engine.setdefault("warmup", False)
     return Config(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxbatch.run import simulate
+from jaxbatch.sched.state import DECODE
 from tests.conftest import TEST_MODEL, make_config, make_workload
 
 PROMPTS = [5, 30, 12, 60, 9, 33]
@@ -39,7 +40,9 @@ def _run(policy, workload, num_slots, model=None, **engine):
 @pytest.mark.parametrize("policy", ["static", "continuous"])
 def test_logits_alone_equal_logits_shared(alone, policy):
     logits_alone, tokens_alone = alone
-    res = _run(policy, make_workload(PROMPTS, BUDGETS), num_slots=4)
+    res = _run(policy, make_workload(PROMPTS, BUDGETS), num_slots=4, decode_rows="compact")
+    decodes = res.record.kind == DECODE
+    assert (res.record.rows[decodes] == 1).any()  # decodes of one slot ran at one row
     shared = per_request_logits(res, len(PROMPTS))
     for i in range(len(PROMPTS)):
         assert shared[i].shape == logits_alone[i].shape == (BUDGETS[i], 256)

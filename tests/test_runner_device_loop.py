@@ -4,6 +4,7 @@ config."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 
@@ -75,7 +76,8 @@ def test_device_loop_equals_host_loop_with_paged_preemption():
 
 
 def _cli_config(loop: str, clock: str):
-    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop, warmup=True)
+    cfg = make_config("chunked", num_slots=4, clock=clock, loop=loop, warmup=True,
+                      decode_rows="compact")  # fmt: skip
     cfg.policy.token_budget = 32
     cfg.workload = WorkloadConfig(
         num_requests=8, prompt=LengthConfig(dist="uniform", low=4, high=60),
@@ -94,8 +96,12 @@ def test_device_loop_from_the_config(tmp_path):
         out = tmp_path / loop
         runs[loop] = execute(_cli_config(loop, "passes"), out)
         runs[loop]["tokens"] = (out / "tokens.jsonl").read_text()
+        with (out / "passes.csv").open() as f:
+            runs[loop]["shapes"] = [(p["kind"], p["rows"]) for p in csv.DictReader(f)]
     host, device = runs["host"], runs["device"]
     assert device["tokens"] == host["tokens"]
+    # the same shapes, decodes of one of the four slots at one row among them
+    assert device["shapes"] == host["shapes"] and ("decode", "1") in device["shapes"]
     for key in ("num_finished", "num_passes", "output_tokens", "ttft_s", "tpot_s", "e2e_s"):
         assert device[key] == host[key], key
     m = execute(_cli_config("device", "measured"), tmp_path / "measured")

@@ -76,8 +76,9 @@ class Buckets:
     # The smallest context bucket (0: min_len). The slot cache's first segment: an in-place
     # read takes whole segments, so a shorter context costs the same and needs no shape of its own.
     min_context: int = 0
-    # Decodes of fewer slots run only those slots' rows (`decode`). Off where a mesh splits the
-    # slots over its data axis: those rows' K/V would then be gathered from other devices.
+    # A decode of few slots runs only those slots' rows (`decode_width`). Off for
+    # engine.decode_rows=all, and where a mesh splits the slots over its data axis: those rows'
+    # K/V would then be gathered from other devices.
     compact: bool = True
 
     def length(self, n, xp=np):
