@@ -124,6 +124,12 @@ def next_ends(
     return np.where(done, 0, ends), kind in (PREFILL, DECODE) and not done.any()
 
 
+def ahead_shape(buckets: Buckets, ends: np.ndarray) -> PassShape:
+    """The decode dispatched ahead of its plan (`next_ends`): every slot with a next token, the
+    furthest at position ends.max()."""
+    return buckets.decode(int(ends.max()) + 1, int((ends > 0).sum()))
+
+
 def unpack(vec: np.ndarray, num_slots: int) -> tuple[Plan, np.ndarray, int, int]:
     """Inverse of pack, on the host: (plan, holder, kv, reserved) as numpy."""
     b = num_slots
@@ -269,7 +275,7 @@ def run(
         recorder.resume(resumed.record)
         bar.update(int(np.asarray(state.num_generated).sum()))
         if resumed.ahead:  # as the interrupted run dispatched it (rewriting the same K/V)
-            guess = backend.buckets.decode(int(ends.max()) + 1, int((ends > 0).sum()))
+            guess = ahead_shape(backend.buckets, ends)
             ahead = (guess, *backend.decode(plan, guess))
     else:
         state, plan = schedule(state.replace(now=times.device(now)), params)
@@ -310,7 +316,7 @@ def run(
         state, next_plan, stats = step(state, plan, tokens, params, times.device(sched_at))
         ends, guessable = next_ends(plan_h, ends, prompt_len, max_new)
         if guessable and now >= last_arrival:
-            guess = backend.buckets.decode(int(ends.max()) + 1, int((ends > 0).sum()))
+            guess = ahead_shape(backend.buckets, ends)
             ahead = (guess, *backend.decode(next_plan, guess))
         next_h, holder, kv, reserved = unpack(np.asarray(stats), state.num_slots)
         # A measured pass ends once its commit and the next plan are ready.
