@@ -2,7 +2,8 @@
 against real runs of the same configs, side by side: output throughput and p50 TPOT per policy, and
 their ratios (the target: within 15%). The tiny model, 64 offline requests with prompts and outputs
 uniform in 16..128, 16 slots; orca and chunked take 512 tokens a pass. Real figures are medians of
-`--repeats` runs. It first reads the machine as calibration does (`calibrate.machine`) and prints
+`--repeats` runs, the policies interleaved (one policy's runs back to back once read static above
+continuous in a slow moment, 2026-12-07). It first reads the machine as calibration does (`calibrate.machine`) and prints
 that beside the entry's figures: a rough gauge of how far this shared VM's speed has moved since
 the calibration (once on 2026-12-06 it read 1.10x the entry's while the real runs were slower
 than just after the calibration). Asserts nothing.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from common import config, median
 from omegaconf import OmegaConf
@@ -33,13 +35,19 @@ def figures(cfg, workload) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policies", default="static,continuous,orca,chunked")
+    ap.add_argument(
+        "--entry",
+        type=Path,
+        default=HARDWARE_DIR / "cpu_local.yaml",
+        help="the hardware entry to simulate on (jaxbatch-calibrate --out writes one)",
+    )
     args = ap.parse_args()
     lengths = LengthConfig(dist="uniform", low=16, high=128)
-    entry = OmegaConf.to_container(OmegaConf.load(HARDWARE_DIR / "cpu_local.yaml"))
+    entry = OmegaConf.to_container(OmegaConf.load(args.entry))
     hardware = HardwareConfig(**entry)
-    print(f"cpu_local: compute efficiency {hardware.compute_efficiency}, memory efficiency "
+    print(f"{args.entry.stem}: compute efficiency {hardware.compute_efficiency}, memory efficiency "
           f"{hardware.memory_efficiency}, attention efficiency {hardware.attention_efficiency}, "
           f"overlap {hardware.overlap}, padded {hardware.padded}, overhead "
           f"{hardware.pass_overhead_us} us (prefill "
@@ -51,12 +59,19 @@ def main() -> None:
           f"{peak / 1e12 / hardware.peak_tflops:.2f})")  # fmt: skip
     print(f"{'policy':>11} {'real tok/s':>11} {'sim tok/s':>10} {'ratio':>6}   "
           f"{'real TPOT ms':>12} {'sim TPOT ms':>11} {'ratio':>6}")  # fmt: skip
-    for policy in args.policies.split(","):
-        cfg = config(policy, 16, 64, lengths, lengths, "tiny")
-        cfg.policy.token_budget = 512
-        workload = from_config(cfg.workload)
-        real = [figures(cfg, workload) for _ in range(args.repeats)]
-        tok, tpot = median([r[0] for r in real]), median([r[1] for r in real])
+    policies = args.policies.split(",")
+    cfgs = {}
+    for policy in policies:
+        cfgs[policy] = config(policy, 16, 64, lengths, lengths, "tiny")
+        cfgs[policy].policy.token_budget = 512
+    workload = from_config(cfgs[policies[0]].workload)  # the same requests for every policy
+    real = {policy: [] for policy in policies}
+    for _ in range(args.repeats):  # interleaved, so a slow moment of this VM hits every policy
+        for policy in policies:
+            real[policy].append(figures(cfgs[policy], workload))
+    for policy in policies:
+        cfg = cfgs[policy]
+        tok, tpot = median([r[0] for r in real[policy]]), median([r[1] for r in real[policy]])
         sim_cfg = dataclasses.replace(
             cfg, hardware=hardware,
             engine=dataclasses.replace(cfg.engine, backend="simulator", clock="priced"),
