@@ -146,8 +146,8 @@ PLANNED_PASSES = 5_000
 
 
 class ShapeLog(Simulator):
-    """The simulator on `buckets` (it runs nothing and draws token 0), logging the shape of every
-    pass the loop asks it for (those dispatched ahead included), in order of first use."""
+    """The simulator on `buckets` (it runs nothing and draws token 0), counting the passes of each
+    shape the loop asks it for (those dispatched ahead included), in order of first use."""
 
     def __init__(self, buckets: Buckets):
         super().__init__(buckets.num_slots, buckets.max_len)
@@ -157,7 +157,7 @@ class ShapeLog(Simulator):
         return self.decode(plan, shape)
 
     def decode(self, plan: Plan, shape: PassShape):
-        self.shapes.setdefault(shape, None)
+        self.shapes[shape] = self.shapes.get(shape, 0) + 1
         return super().decode(plan, shape)
 
 
@@ -175,18 +175,34 @@ def fixed_plans(state: SchedState, params: PolicyParams, clock: str = "measured"
 def planned_shapes(
     policy: Policy, params: PolicyParams, state: SchedState, buckets, max_passes: int,
     arrival: np.ndarray | None = None,
-) -> list[PassShape] | None:  # fmt: skip
+) -> dict[PassShape, int] | None:  # fmt: skip
     """The shapes of every pass a run of `state` will execute, where its plans are fixed
-    (`fixed_plans`): the loop run once on a `ShapeLog`, on the `passes` clock; None if that would
-    take more than `max_passes` passes (a long run needs most shapes anyway): at once where the
-    outputs alone need more decodes of every slot."""
+    (`fixed_plans`), each with its count of passes, in order of first use: the loop run once on
+    a `ShapeLog`, on the `passes` clock; None if that would take more than `max_passes` passes
+    (a long run needs most shapes anyway): at once where the outputs alone need more decodes of
+    every slot."""
     if int(np.asarray(state.max_new).sum()) > max_passes * state.num_slots:
         return None
     log, calls = ShapeLog(buckets), itertools.count()
     stop = lambda: next(calls) >= max_passes  # noqa: E731
     dry = run(policy, params, state, log, [], "passes", arrival=arrival, stop=stop)
     done = np.isin(dry.final.status, (FINISHED, REJECTED)).all()
-    return list(log.shapes) if done else None
+    return log.shapes if done else None
+
+
+# A shape met by at most this share of a dry run's passes (at least one pass) runs one context
+# bucket up where the run has that shape (`Buckets.raise_rare`).
+RARE_SHARE = 0.01
+
+
+def plan_warmup(backend: Backend, counts: dict[PassShape, int]) -> list[PassShape]:
+    """The shapes a run warms up, from its dry run's `counts` (`planned_shapes`): the backend's
+    buckets raise the rare ones (replaced in place, before anything compiles), so each of the
+    few passes of a rare shape runs at a shape the run compiles anyway. Realistic chunked
+    (`benchmarks/warmup.py`) then prepares 9 shapes, not 12."""
+    passes = sum(counts.values())
+    backend.buckets = backend.buckets.raise_rare(counts, max(1, int(RARE_SHARE * passes)))
+    return list(dict.fromkeys(backend.buckets.runs_at(s) for s in counts))
 
 
 @cache
@@ -234,9 +250,8 @@ def run(
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     planned = None
     if warmup_shapes and resume_from is None and fixed_plans(state, params, clock):
-        planned = planned_shapes(
-            policy, params, state, backend.buckets, PLANNED_PASSES, arrival
-        )  # fmt: skip
+        counts = planned_shapes(policy, params, state, backend.buckets, PLANNED_PASSES, arrival)
+        planned = None if counts is None else plan_warmup(backend, counts)
     warmup_shapes = warmup_shapes if planned is None else planned
     backend.warmup(warmup_shapes, stop)
     resumed = None  # restored within warm-up: orbax compiles its own copies

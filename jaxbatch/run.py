@@ -31,7 +31,14 @@ from jaxbatch.backend.sharding import make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, resolve_auto
 from jaxbatch.device_loop import run_device, run_sweep
-from jaxbatch.engine import PLANNED_PASSES, RunResult, fixed_plans, planned_shapes, run
+from jaxbatch.engine import (
+    PLANNED_PASSES,
+    RunResult,
+    fixed_plans,
+    plan_warmup,
+    planned_shapes,
+    run,
+)
 from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
@@ -251,7 +258,8 @@ def runner_step(
     shapes."""
     planned = None
     if fixed_plans(state, params, "passes"):
-        planned = planned_shapes(policy, params, state, runner.buckets, PLANNED_PASSES, arrival)
+        counts = planned_shapes(policy, params, state, runner.buckets, PLANNED_PASSES, arrival)
+        planned = None if counts is None else plan_warmup(runner, counts)
     return RunnerStep(runner, every if planned is None else planned), planned is not None
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import MemoryConfig
 from jaxbatch.engine import PLANNED_PASSES, fixed_plans, planned_shapes, run
 from jaxbatch.run import _prepare, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import DECODE, PREFILL, Plan, init_state
+from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload
 
 
@@ -235,4 +237,56 @@ def test_a_dry_run_longer_than_its_bound_plans_nothing():
     assert plan(2) is None  # 6 outputs > 2 passes x 2 slots: not even tried
     assert plan(3) is None  # tried: a prefill and 4 decodes, more than 3 passes
     assert plan(4) is None  # a prefill and 3 of the 4 decodes: 5 passes in all
-    assert plan(5) == [buckets.prefill(2, 5, 5), buckets.decode(6)]  # contexts 6..10: one bucket
+    # contexts 6..10: one bucket, met by the 4 decodes
+    assert plan(5) == {buckets.prefill(2, 5, 5): 1, buckets.decode(6): 4}
+
+
+def test_a_rare_shape_is_raised_to_the_next_planned_context_bucket_by_both_rules():
+    """`Buckets.raise_rare`: a shape met at most `at_most` times runs at the next context bucket
+    of the same rows where the counts hold that shape and do not raise it too; a shape reading
+    no context stays. The host's and the device's rule (`shape_fields` on numpy and jnp) agree."""
+    b = Buckets(16, 1024, 16, mixed_rows=512, min_context=64)
+    counts = {
+        b.flat(512, 64): 1, b.flat(512, 128): 2,  # 512/128: rare, but no 512/256
+        b.flat(256, 128): 1, b.flat(256, 256): 40,
+        b.decode(100): 3, b.decode(200): 250,  # met 3 times: more than at_most
+        b.decode(100, 2): 1,  # no 2-row decode at 256
+        b.prefill(4, 100, 100): 1, b.prefill(4, 100, 200, 90): 1,  # none / 128: no 256 sibling
+    }  # fmt: skip
+    r = b.raise_rare(counts, 2)
+    contexts = [r.runs_at(s).context for s in counts]
+    assert contexts == [128, 128, 256, 256, 128, 256, 128, 0, 256]
+    table = np.zeros((16, 0), np.int32)
+    i32 = lambda x: np.broadcast_to(np.asarray(x, np.int32), (16,)).copy()  # noqa: E731
+    plans = {  # (rows, context before, after): a plan of each raised shape, and of one kept
+        (512, 64, 128): Plan(i32(np.arange(16)), i32(32), i32(0), np.int32(MIXED),
+                             np.float32(0), table),  # every slot's first 32 prompt tokens
+        (256, 128, 256): Plan(i32(np.arange(16)), i32([241] + [1] * 15), i32([0] + [100] * 15),
+                              np.int32(MIXED), np.float32(0), table),
+        (16, 128, 128): Plan(i32(np.arange(16)), i32(1), i32(100), np.int32(DECODE),
+                             np.float32(0), table),
+    }  # fmt: skip
+    for (rows, before, after), plan in plans.items():
+        assert (b.shape_of(plan).rows, b.shape_of(plan).context) == (rows, before)
+        assert (r.shape_of(plan).rows, r.shape_of(plan).context) == (rows, after)
+        device = r.shape_fields(jax.tree.map(jnp.asarray, plan), jnp)
+        assert (int(device[0]), int(device[2])) == (rows, after)
+
+
+def test_warmup_raises_a_shape_its_dry_run_meets_once_with_the_same_tokens():
+    """Planned by a dry run, warm-up prepares one shape fewer: the one decode at context 64 (slot
+    0's first, ending at position 64) runs at context 128 with the run's other decodes. The
+    tokens are those of a run at every pass's own bucket, nothing compiles after warm-up, and
+    the record gives the context each pass ran at."""
+    w = make_workload([63, 20], [40, 40])
+    runs = {}
+    for warmup in (True, False):
+        runs[warmup] = simulate(make_config("continuous", num_slots=2, warmup=warmup), w)
+    raised, exact = runs[True], runs[False]
+    for a, b in zip(raised.outputs, exact.outputs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    decodes = exact.record.kind == DECODE
+    assert list(np.unique(exact.record.context[decodes])) == [64, 128]
+    assert (raised.record.context[decodes] == 128).all()
+    assert raised.warmup_planned and raised.warmup_shapes == 2  # the prefill, the 128 decode
+    assert raised.compiles_after_warmup == 0
