@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Protocol
@@ -195,13 +195,21 @@ def planned_shapes(
 RARE_SHARE = 0.01
 
 
-def plan_warmup(backend: Backend, counts: dict[PassShape, int]) -> list[PassShape]:
-    """The shapes a run warms up, from its dry run's `counts` (`planned_shapes`): the backend's
-    buckets raise the rare ones (replaced in place, before anything compiles), so each of the
-    few passes of a rare shape runs at a shape the run compiles anyway. Realistic chunked
-    (`benchmarks/warmup.py`) then prepares 9 shapes, not 12."""
-    passes = sum(counts.values())
-    backend.buckets = backend.buckets.raise_rare(counts, max(1, int(RARE_SHARE * passes)))
+def plan_warmup(
+    policy: Policy, params: PolicyParams, state: SchedState, backend: Backend,
+    arrival: np.ndarray | None = None,
+) -> list[PassShape] | None:  # fmt: skip
+    """The shapes a run whose plans are fixed warms up (None: a dry run would be too long, see
+    `planned_shapes`): those its dry run meets, on the backend's buckets at every pass's own
+    context bucket, with the rare ones raised (`Buckets.raise_rare`: the backend's buckets are
+    replaced in place, before anything compiles), so each of the few passes of a rare shape
+    runs at a shape the run compiles anyway. Realistic chunked (`benchmarks/warmup.py`) then
+    prepares 9 shapes, not 12."""
+    own = replace(backend.buckets, raised=())
+    counts = planned_shapes(policy, params, state, own, PLANNED_PASSES, arrival)
+    if counts is None:
+        return None
+    backend.buckets = own.raise_rare(counts, max(1, int(RARE_SHARE * sum(counts.values()))))
     return list(dict.fromkeys(backend.buckets.runs_at(s) for s in counts))
 
 
@@ -250,8 +258,7 @@ def run(
     jax.block_until_ready(step(warm_state, warm_plan, dummy, params, np.float32(0)))
     planned = None
     if warmup_shapes and resume_from is None and fixed_plans(state, params, clock):
-        counts = planned_shapes(policy, params, state, backend.buckets, PLANNED_PASSES, arrival)
-        planned = None if counts is None else plan_warmup(backend, counts)
+        planned = plan_warmup(policy, params, state, backend, arrival)
     warmup_shapes = warmup_shapes if planned is None else planned
     backend.warmup(warmup_shapes, stop)
     resumed = None  # restored within warm-up: orbax compiles its own copies

@@ -31,14 +31,7 @@ from jaxbatch.backend.sharding import make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, resolve_auto
 from jaxbatch.device_loop import run_device, run_sweep
-from jaxbatch.engine import (
-    PLANNED_PASSES,
-    RunResult,
-    fixed_plans,
-    plan_warmup,
-    planned_shapes,
-    run,
-)
+from jaxbatch.engine import RunResult, fixed_plans, plan_warmup, run
 from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
 from jaxbatch.model.hf import CheckpointError, load_params
@@ -252,14 +245,13 @@ def runner_step(
 ) -> tuple[RunnerStep, bool]:  # fmt: skip
     """The runner's device-loop step, compiled for the shapes the host loop would warm up: where
     a run's plans are fixed (`fixed_plans`: the runner's device loop counts passes, so unless
-    EOS ends requests), those a dry run of the host loop meets (`planned_shapes`: realistic
-    continuous, `benchmarks/throughput.py`'s workload, 7 shapes); else `every` shape the
-    workload can use (`Buckets.for_workload`). Returns the step and whether a dry run chose its
-    shapes."""
+    EOS ends requests), those a dry run of the host loop meets, the rare ones raised
+    (`plan_warmup`: realistic continuous, `benchmarks/throughput.py`'s workload, 12 shapes);
+    else `every` shape the workload can use (`Buckets.for_workload`). Returns the step and
+    whether a dry run chose its shapes."""
     planned = None
     if fixed_plans(state, params, "passes"):
-        counts = planned_shapes(policy, params, state, runner.buckets, PLANNED_PASSES, arrival)
-        planned = None if counts is None else plan_warmup(runner, counts)
+        planned = plan_warmup(policy, params, state, runner, arrival)
     return RunnerStep(runner, every if planned is None else planned), planned is not None
 
 

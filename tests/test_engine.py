@@ -11,7 +11,7 @@ from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import MemoryConfig
-from jaxbatch.engine import PLANNED_PASSES, fixed_plans, planned_shapes, run
+from jaxbatch.engine import PLANNED_PASSES, fixed_plans, plan_warmup, planned_shapes, run
 from jaxbatch.run import _prepare, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan, init_state
@@ -290,3 +290,15 @@ def test_warmup_raises_a_shape_its_dry_run_meets_once_with_the_same_tokens():
     assert (raised.record.context[decodes] == 128).all()
     assert raised.warmup_planned and raised.warmup_shapes == 2  # the prefill, the 128 decode
     assert raised.compiles_after_warmup == 0
+
+
+def test_planning_again_raises_from_every_pass_at_its_own_bucket():
+    """`plan_warmup` plans from the buckets at every pass's own context, so planning a second
+    time on the same backend raises the same shapes, never one bucket further."""
+    sim = Simulator(num_slots=2, max_len=256, min_context=64)
+    state = init_state(np.zeros(2), np.array([63, 20]), np.array([40, 40]), np.zeros(2, bool), 2)
+    policy = make_policy("continuous")
+    first = plan_warmup(policy, PolicyParams(), state, sim)
+    raised = sim.buckets
+    assert [(s.all_slots, s.context) for s in first] == [(False, 0), (True, 128)]
+    assert plan_warmup(policy, PolicyParams(), state, sim) == first and sim.buckets == raised
