@@ -8,12 +8,21 @@ import dataclasses
 import os
 
 # Tests compile hundreds of programs and time none: LLVM's optimisation level 0 cuts their
-# compilations by about a third (the suite by a fifth). XLA's HLO passes, fusions and library
-# kernels (the dots) are those of a user's run; only the generated loops are less optimised.
-# Set before JAX starts its backend; subprocesses of tests inherit it.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+# compilations by about a third (the suite by a fifth). XLA's HLO passes and fusions are those
+# of a user's run; only the generated loops are less optimised. And the dots run in XLA's own
+# kernels, not YNNPACK's fusions, whose programs take longer to build, load and first run
+# (test_lengths and test_hf: 81 s against 103 s, 2026-12-07, when the suite had grown past its
+# 10 minutes in a slow phase). A subprocess whose environment sets `USER_DOTS` keeps YNNPACK's
+# fusions, as a user's run has them: test_sharding's, so that passes with those fusions, saved
+# whole and loaded again, stay tested. Set before JAX starts its backend; subprocesses of tests
+# inherit them.
+USER_DOTS = "JAXBATCH_TEST_USER_DOTS"
+YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
+for _flag in ["--xla_backend_optimization_level=0"] + (
+    [] if os.environ.get(USER_DOTS) else [YNN_OFF]
+):
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax
 import numpy as np

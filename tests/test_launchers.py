@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = [
     "engine.backend=simulator", "engine.clock=passes", "engine.compile_cache=off",
     "workload.num_requests=40", "output.plots=false", "engine.num_slots=4",
-    "policy=static,continuous,orca,chunked",
+    "policy=static,continuous,chunked",
 ]  # fmt: skip
 
 
@@ -29,8 +29,8 @@ def _sweep(out: Path, *args: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_a_parallel_sweep_of_four_jobs_writes_what_the_basic_launcher_writes(tmp_path):
-    # Two processes at a time (joblib reuses them): this machine has two cores.
+def test_a_parallel_sweep_of_three_jobs_writes_what_the_basic_launcher_writes(tmp_path):
+    # Two processes at a time, one of them reused for the third job: this machine has two cores.
     log = _sweep(tmp_path / "parallel", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2")
     assert "Joblib.Parallel(n_jobs=2" in log
     _sweep(tmp_path / "basic")
@@ -38,13 +38,13 @@ def test_a_parallel_sweep_of_four_jobs_writes_what_the_basic_launcher_writes(tmp
     for name in ("parallel", "basic"):
         with (tmp_path / name / "summary.csv").open() as f:
             rows[name] = list(csv.DictReader(f))
-    assert [r["status"] for r in rows["parallel"]] == ["finished"] * 4
+    assert [r["status"] for r in rows["parallel"]] == ["finished"] * 3
     vary = {"num_compiles"}  # each process compiles for itself
     for a, b in zip(rows["parallel"], rows["basic"], strict=True):
         assert {k: v for k, v in a.items() if k not in vary} == {
             k: v for k, v in b.items() if k not in vary
         }
-    for job in "0123":
+    for job in "012":
         for name in ("requests.csv", "passes.csv"):
             parallel = (tmp_path / "parallel" / job / name).read_bytes()
             assert parallel == (tmp_path / "basic" / job / name).read_bytes()

@@ -1,5 +1,5 @@
 """Many devices: 8 simulated CPU devices in a subprocess (`tests/sharded_runs.py`). Tokens equal
-the single-device run for meshes 1x8, 2x4 and 8x1, on the host loop and the device loop
+the single-device run for meshes 1x8, 2x4 and 8x1 on the host loop, and 2x4 on the device loop
 (slot and paged layouts), and the steady state compiles nothing; parameters and caches sit where
 the partition rules say; a mesh the model or the slots cannot split is refused naming the valid
 sizes."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxbatch.config import ConfigError, MeshConfig, validate
-from tests.conftest import make_config
+from tests.conftest import USER_DOTS, YNN_OFF, make_config
 from tests.sharded_runs import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"  # conftest's
-    env = dict(os.environ, XLA_FLAGS=flags)
+    # conftest's flags but with YNNPACK's fusions, as a user's run has them
+    flags = os.environ["XLA_FLAGS"].replace(YNN_OFF, "")
+    flags = f"{flags} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, **{USER_DOTS: "1"})
     proc = subprocess.run([sys.executable, "-m", "tests.sharded_runs"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,8 +45,12 @@ def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
         assert run["tokens"] == alone["tokens"] == run["again"], key
         assert sum(map(len, run["tokens"])) == 9 + 4 + 12 + 6 + 10 + 3 + 5 + 8 + 7 + 6
         assert run["steady_compiles"] == 0, key  # the steady state compiles nothing
-    meshes = {k.rsplit("/", 1)[1] for k in runs if k.startswith("contiguous/chunked/device")}
+    meshes = {k.rsplit("/", 1)[1] for k in runs if k.startswith("contiguous/continuous/host")}
     assert meshes == {"1x1", "1x8", "2x4", "8x1"}
+    assert {k for k in runs if "/device/" in k} == {
+        f"{layout}/chunked/device/{mesh}" for layout in ("contiguous", "paged")
+        for mesh in ("1x1", "2x4")
+    }  # fmt: skip
 
 
 def test_passes_saved_on_part_of_the_devices_load_onto_those_devices(runs):
