@@ -27,7 +27,7 @@ from jaxbatch.backend.cost_model import (
 )
 from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.runner_step import RunnerStep
-from jaxbatch.backend.sharding import make_mesh, replicated
+from jaxbatch.backend.sharding import compact_decodes, make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import Config, ConfigError, resolve_auto
 from jaxbatch.device_loop import run_device, run_sweep
@@ -188,7 +188,7 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None
-        compact = e.decode_rows == "compact" and cfg.mesh.data == 1  # as the runner's
+        compact = compact_decodes(e.decode_rows == "compact", data=cfg.mesh.data)
         return Simulator(e.num_slots, spec.max_len, e.min_bucket, mixed_rows, spec, priced,
                          min_read(spec.max_len, memory.paged), compact)  # fmt: skip
     return Runner(

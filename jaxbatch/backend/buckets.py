@@ -78,7 +78,7 @@ class Buckets:
     min_context: int = 0
     # A decode of few slots runs only those slots' rows (`decode_width`). Off for
     # engine.decode_rows=all, and where a mesh splits the slots over its data axis: those rows'
-    # K/V would then be gathered from other devices.
+    # K/V would then be gathered from other devices (`sharding.compact_decodes`).
     compact: bool = True
     # Contexts raised to the next bucket (`raise_rare`): (plan kind, rows, tokens per row,
     # any_plan, context, the context it runs at) each. Empty: every pass at its own bucket.

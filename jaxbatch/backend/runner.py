@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
 from jaxbatch.backend.executables import abstract, compiled
-from jaxbatch.backend.sharding import cache_sharding, replicated, shard_params, splits_slots
+from jaxbatch.backend.sharding import cache_sharding, compact_decodes, replicated, shard_params
 from jaxbatch.interrupt import never
 from jaxbatch.model.kvcache import (
     CacheIndex,
@@ -246,7 +246,7 @@ class Runner:
         self.paged = memory is not None and memory.paged
         read = min_read(spec.max_len, self.paged)
         self.buckets = Buckets(num_slots, spec.max_len, min_bucket, mixed_rows, read,
-                               compact=compact and not splits_slots(mesh))  # fmt: skip
+                               compact=compact_decodes(compact, mesh))  # fmt: skip
         self.max_blocks = memory.max_blocks if memory else 0
 
         def new_cache() -> SlotCache | PagedCache:

@@ -41,9 +41,13 @@ def make_mesh(data: int, model: int) -> Mesh:
     return Mesh(np.array(devices[: data * model]).reshape(data, model), AXES)
 
 
-def splits_slots(mesh: Mesh | None) -> bool:
-    """Whether a mesh splits the slots (and their caches) over its data axis."""
-    return mesh is not None and mesh.shape[AXES[0]] > 1
+def compact_decodes(requested: bool, mesh: Mesh | None = None, data: int = 1) -> bool:
+    """Whether a decode of few slots runs only their rows (`Buckets.compact`): where asked,
+    unless the data axis (of `mesh`, or `data` devices where there is no mesh: the simulator's
+    rule for the runner it stands for) splits the slots, whose rows' K/V fewer rows would gather
+    from other devices. One rule for the runner and the simulator."""
+    data = data if mesh is None else mesh.shape[AXES[0]]
+    return requested and data == 1
 
 
 def param_spec(path: str) -> P:
