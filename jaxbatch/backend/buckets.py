@@ -32,6 +32,12 @@ def _ladder(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(pows, np.int64), np.array([min(hi, max(lo, p)) for p in pows], np.int64)
 
 
+@cache
+def _raised_map(raised: tuple) -> dict:
+    """`Buckets.raised` as a lookup: (kind, rows, tokens, any_plan, context) -> its context."""
+    return {tuple(entry[:5]): entry[5] for entry in raised}
+
+
 QUERY_TILE = 32  # rows of a prompt chunk that read their slot's cached context together
 
 
@@ -130,7 +136,12 @@ class Buckets:
 
     def lifted(self, kind, rows, tokens, any_plan, context, xp=np):
         """The context a pass of these fields runs at: its bucket, or the one `raised` names
-        for it (numpy or jnp)."""
+        for it (numpy or jnp; a host pass's scalars by one lookup, on the loop's path)."""
+        if not self.raised:
+            return context
+        if xp is np and np.ndim(context) == 0:
+            key = (int(kind), int(rows), int(tokens), bool(any_plan), int(context))
+            return _raised_map(self.raised).get(key, context)
         for k, r, t, a, c, to in self.raised:
             hit = (kind == k) & (rows == r) & (tokens == t) & (any_plan == a) & (context == c)
             context = xp.where(hit, to, context)
