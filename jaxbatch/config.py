@@ -6,6 +6,8 @@ its value and what would be valid. Never build models or workloads here.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,54 @@ from jaxbatch.model.spec import DTYPES, ModelSpec
 # The configs live beside the package (DESIGN.md layout); an editable install finds them here.
 CHECKOUT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(CHECKOUT / "configs")
-POLICY_NAMES = ("static", "continuous", "orca", "chunked")
+# Policy names a config may give: the package's own, then those `sched.policies.register_policy`
+# adds (a `policy.module` file or module registers them when the config is validated). The
+# budgeted ones run mixed passes under `policy.token_budget`.
+POLICY_NAMES = ["static", "continuous", "orca", "chunked"]
+BUDGETED_POLICIES = ["orca", "chunked"]
+_loaded_policy_modules: set[str] = set()
+
+
+def add_policy_name(name: str, budgeted: bool) -> None:
+    """A name `register_policy` has given a policy (see POLICY_NAMES)."""
+    if name not in POLICY_NAMES:
+        POLICY_NAMES.append(name)
+    if budgeted and name not in BUDGETED_POLICIES:
+        BUDGETED_POLICIES.append(name)
+
+
+def load_policies(module: str) -> None:
+    """Import `module`, a Python file's path (`.py`; a relative one from the working folder,
+    else from the checkout, as the experiment presets name theirs) or an importable module's
+    name, once per process: it registers its policies (`jaxbatch.sched.policies.register_policy`).
+    A file that cannot be read or run is a ConfigError naming `policy.module`."""
+    is_file = module.endswith(".py")
+    path = Path(module)
+    if is_file and not path.is_absolute() and not path.exists():
+        path = CHECKOUT / path
+    key = str(path.resolve()) if is_file else module
+    if key in _loaded_policy_modules:
+        return
+    # a file's own module name (two files of one name are two modules)
+    name = f"jaxbatch_policies_{path.stem}_{abs(hash(key)):x}"
+    try:
+        if is_file:
+            if not path.is_file():
+                raise FileNotFoundError(f"no file {path.resolve()}")
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded  # as an import would: its dataclasses look it up
+            spec.loader.exec_module(loaded)
+        else:
+            importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001  any failure of the user's code: one message
+        sys.modules.pop(name, None)
+        why = f"could not load it ({type(err).__name__}: {err}); give a .py file's path or "
+        why += "an importable module that calls register_policy"
+        raise ConfigError("policy.module", module, why) from None
+    _loaded_policy_modules.add(key)
+
+
 PRESETS = (  # configs/model/: dimensions of public models, for the cost model
     "llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "mistral_7b", "qwen2_5_7b",
     "gpt3_13b", "gpt3_175b", "opt_13b", "llama3_2_1b",
@@ -113,6 +162,9 @@ class PolicyConfig:
     token_budget: int = 512  # orca, chunked: most tokens in one pass (max_num_batched_tokens)
     long_prefill_threshold: int = 0  # chunked: most tokens of one prompt per pass (0: no cap)
     max_partial_prefills: int = 0  # chunked: most prompts fed in one pass (0: no limit)
+    # A Python file's path or a module's name, imported before the config is checked: it
+    # registers policies of one's own (`sched.policies.register_policy`; README, "Your own policy")
+    module: str = ""
 
 
 @dataclass
@@ -297,10 +349,12 @@ def validate(cfg: Config) -> None:
         m.attention, why = choose(m.attention, jax.default_backend(), m.dtype, paged, devices)
         if why:
             print(f"jaxbatch: model.attention: {why}; using xla", file=sys.stderr)
-    _one_of("policy.name", p.name, POLICY_NAMES)
+    if p.module:
+        load_policies(p.module)
+    _one_of("policy.name", p.name, tuple(POLICY_NAMES))
     _one_of("policy.queue", p.queue, ("fcfs", "spf", "priority"))
     _positive("policy.token_budget", p.token_budget)
-    if p.token_budget < cfg.engine.num_slots and p.name in ("orca", "chunked"):
+    if p.token_budget < cfg.engine.num_slots and p.name in BUDGETED_POLICIES:
         raise ConfigError(
             "policy.token_budget", p.token_budget,
             f"must hold one decode per slot: >= engine.num_slots={cfg.engine.num_slots}",

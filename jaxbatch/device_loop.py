@@ -38,7 +38,7 @@ from jaxbatch.clock import WINDOW, Clock
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import PASS_FIELDS, SLOT_FIELDS, from_columns, pass_row
-from jaxbatch.sched.policies import POLICIES, Policy, PolicyParams, make_policy
+from jaxbatch.sched.policies import BUILT_IN, Policy, PolicyParams, make_policy
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
 
 _INF = float("inf")
@@ -347,10 +347,11 @@ def _avals(tree) -> tuple:
 
 
 def _named(policy: Policy) -> tuple | None:
-    """A policy of `make_policy` by its arguments (its functions are the package's code, which
-    the store's key holds); None for another (its code is not in the key: compiled anew)."""
+    """A built-in policy of `make_policy` by its arguments (its functions are the package's
+    code, which the store's key holds); None for another, a registered one included (its code
+    is not in the key: compiled anew, never loaded stale)."""
     queue = getattr(policy.schedule, "keywords", {}).get("queue")
-    if policy.name in POLICIES and queue is not None and make_policy(policy.name, queue) == policy:
+    if policy.name in BUILT_IN and queue is not None and make_policy(policy.name, queue) == policy:
         return ("make_policy", policy.name, queue)
     return None
 

@@ -29,7 +29,7 @@ from jaxbatch.backend.runner import Runner, Sampling
 from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.sharding import compact_decodes, make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
-from jaxbatch.config import Config, ConfigError, resolve_auto
+from jaxbatch.config import BUDGETED_POLICIES, Config, ConfigError, resolve_auto
 from jaxbatch.device_loop import run_device, run_sweep
 from jaxbatch.engine import RunResult, fixed_plans, plan_warmup, run
 from jaxbatch.interrupt import never
@@ -39,7 +39,7 @@ from jaxbatch.model.kvcache import min_read
 from jaxbatch.model.transformer import init_params, stored
 from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
-from jaxbatch.sched.policies import BUDGETED, Policy, PolicyParams, make_policy
+from jaxbatch.sched.policies import Policy, PolicyParams, make_policy
 from jaxbatch.sched.state import SchedState, init_state
 from jaxbatch.workload import Workload
 
@@ -184,7 +184,7 @@ def build_backend(cfg: Config, workload: Workload, memory: MemorySpec, with_logi
     e, spec = cfg.engine, cfg.model.spec()
     resolve_auto(cfg)  # engine.clock and engine.loop `auto`: the backend's own
     mixed_rows = 0  # the most rows of a mixed pass: the token budget's bucket
-    if cfg.policy.name in BUDGETED:
+    if cfg.policy.name in BUDGETED_POLICIES:
         mixed_rows = pow2_at_least(cfg.policy.token_budget, e.min_bucket, 1 << 30)
     if e.backend == "simulator":
         priced = (hardware(cfg), cfg.hardware.tensor_parallel) if e.clock == "priced" else None

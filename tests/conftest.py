@@ -29,11 +29,12 @@ import numpy as np
 import pytest
 
 import jaxbatch.run
-from jaxbatch import device_loop
+from jaxbatch import config, device_loop
 from jaxbatch.backend import compilation, executables
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.model.transformer import init_params
+from jaxbatch.sched import policies
 from jaxbatch.workload import Workload
 
 # One layer for the runs of the policy, loop and output tests: what they compare (schedules,
@@ -57,6 +58,21 @@ def _fresh_compilations():
     jax.clear_caches()
     executables.clear()
     device_loop.clear_programs()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_policies_forgotten():
+    """A policy a test module registers (a `policy.module` file: test_own_policy, the
+    admission_cap preset) is forgotten after it, so each module sees the package's policies
+    alone (test_bad_input's message lists them)."""
+    names, budgeted = list(config.POLICY_NAMES), list(config.BUDGETED_POLICIES)
+    registered, loaded = dict(policies.POLICIES), set(config._loaded_policy_modules)
+    yield
+    config.POLICY_NAMES[:], config.BUDGETED_POLICIES[:] = names, budgeted
+    policies.POLICIES.clear()
+    policies.POLICIES.update(registered)
+    config._loaded_policy_modules.intersection_update(loaded)
+    policies._policy.cache_clear()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -111,6 +111,7 @@ def test_hardware_presets_compose_and_validate(hardware):
                              "policy.token_budget": "64,256,1024"}),
         ("trained_model", {"policy": "static,continuous,orca,chunked",
                            "memory": "contiguous,paged"}),
+        ("admission_cap", {"policy.max_partial_prefills": "0,1,2,4,8"}),
     ],
 )  # fmt: skip
 def test_each_study_has_an_experiment_preset_that_composes(name, params):

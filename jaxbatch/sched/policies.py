@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
+from jaxbatch.config import add_policy_name
 from jaxbatch.sched.blocks import allocate, blocks_for, free_slots
 from jaxbatch.sched.state import (
     DECODE,
@@ -60,7 +61,8 @@ def _queued(state: SchedState) -> Array:
     return ((state.status == WAITING) | (state.status == PREEMPTED)) & (state.arrival <= state.now)
 
 
-def _next_arrival(state: SchedState) -> Array:
+def next_arrival(state: SchedState) -> Array:
+    """When the next request not yet arrived arrives (inf: none left): an idle plan's wake."""
     future = (state.status == WAITING) & (state.arrival > state.now)
     return jnp.min(jnp.where(future, state.arrival, _INF))
 
@@ -77,6 +79,12 @@ def release(state: SchedState, mask: Array) -> SchedState:
         block_table=table,
         block_free=pool,
     )
+
+
+def release_finished(state: SchedState) -> SchedState:
+    """Free every slot whose request has finished, and its memory (iteration-level batching)."""
+    done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
+    return release(state, (state.slot_req >= 0) & done)
 
 
 def memory_room(state: SchedState, params: PolicyParams) -> Array:
@@ -340,13 +348,13 @@ def static_schedule(
     state = release(state, held & batch_over)
     queued = _queued(state)
     oldest = jnp.min(jnp.where(queued, state.arrival, _INF))
-    next_arrival = _next_arrival(state)
+    wake_arrival = next_arrival(state)
     full = queued.sum() >= state.num_slots
     waited = state.now >= oldest + params.max_wait_s
-    start_batch = batch_over & (full | waited | (next_arrival == _INF))
+    start_batch = batch_over & (full | waited | (wake_arrival == _INF))
     state = admit(state, jnp.where(start_batch, state.num_slots, 0), params, queue)
     wake = jnp.where(
-        queued.any(), jnp.minimum(oldest + params.max_wait_s, next_arrival), next_arrival
+        queued.any(), jnp.minimum(oldest + params.max_wait_s, wake_arrival), wake_arrival
     )
     return grow_blocks(state, plan_prefill_first(state, wake))
 
@@ -355,10 +363,8 @@ def continuous_schedule(
     state: SchedState, params: PolicyParams, queue: str = "fcfs"
 ) -> tuple[SchedState, Plan]:
     """Iteration-level batching: finished requests leave at once; arrivals fill free slots."""
-    occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
-    state = release(state, (state.slot_req >= 0) & occupant_done)
-    state = admit(state, state.num_slots, params, queue)
-    return grow_blocks(state, plan_prefill_first(state, _next_arrival(state)))
+    state = admit(release_finished(state), state.num_slots, params, queue)
+    return grow_blocks(state, plan_prefill_first(state, next_arrival(state)))
 
 
 def plan_budgeted(
@@ -414,10 +420,8 @@ def budgeted_schedule(
     state: SchedState, params: PolicyParams, queue: str = "fcfs", whole_prompts: bool = False
 ) -> tuple[SchedState, Plan]:
     """Iteration-level batching with mixed passes under a token budget (orca and chunked)."""
-    occupant_done = state.status[jnp.maximum(state.slot_req, 0)] == FINISHED
-    state = release(state, (state.slot_req >= 0) & occupant_done)
-    state = admit(state, state.num_slots, params, queue)
-    plan = plan_budgeted(state, _next_arrival(state), params, whole_prompts)
+    state = admit(release_finished(state), state.num_slots, params, queue)
+    plan = plan_budgeted(state, next_arrival(state), params, whole_prompts)
     return grow_blocks(state, plan)
 
 
@@ -447,11 +451,36 @@ POLICIES: dict[str, Callable[[SchedState, PolicyParams], tuple[SchedState, Plan]
     "orca": partial(budgeted_schedule, whole_prompts=True),
     "chunked": budgeted_schedule,
 }
-BUDGETED = ("orca", "chunked")
+BUILT_IN = tuple(POLICIES)  # the package's own: their code is in the compile store's keys
+
+
+def register_policy(
+    name: str,
+    schedule: Callable[..., tuple[SchedState, Plan]],
+    budgeted: bool = False,
+) -> None:
+    """Make `schedule(state, params, queue="fcfs") -> (state, plan)`, a pure jnp function as
+    the policies above are, the policy `name`: `make_policy(name, queue)` in code, and
+    `policy.name=name` in a config whose `policy.module` names the file or module that calls
+    this (README, "Your own policy"). It shares `commit`, every loop, backend and report.
+    `budgeted`: its plans hold mixed passes of at most `params.token_budget` tokens, as orca's
+    and chunked's do (the runner then prepares mixed passes of that budget's rows). A name
+    already taken by another function is refused: a program compiled for the name would be
+    stale."""
+    if POLICIES.get(name, schedule) is not schedule:
+        raise ValueError(f"register_policy: {name!r} is already a policy (taken: "
+                         f"{', '.join(POLICIES)})")  # fmt: skip
+    POLICIES[name] = schedule
+    add_policy_name(name, budgeted)
+
+
+def make_policy(name: str, queue: str = "fcfs") -> Policy:
+    """The policy `name` admitting in `queue` order (its knobs are PolicyParams, traced). One
+    object per name and queue however they are passed (`make_policy("continuous")` is
+    `make_policy("continuous", "fcfs")`), so jit caches hold across runs."""
+    return _policy(name, queue)
 
 
 @cache
-def make_policy(name: str, queue: str = "fcfs") -> Policy:
-    """The policy `name` admitting in `queue` order (its knobs are PolicyParams, traced). One
-    object per set of arguments, so jit caches hold across runs."""
+def _policy(name: str, queue: str) -> Policy:
     return Policy(name=name, schedule=partial(POLICIES[name], queue=queue), commit=commit)
