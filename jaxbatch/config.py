@@ -6,6 +6,7 @@ its value and what would be valid. Never build models or workloads here.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -52,7 +53,7 @@ def load_policies(module: str) -> None:
     if key in _loaded_policy_modules:
         return
     # a file's own module name (two files of one name are two modules)
-    name = f"jaxbatch_policies_{path.stem}_{abs(hash(key)):x}"
+    name = f"jaxbatch_policies_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
     try:
         if is_file:
             if not path.is_file():
