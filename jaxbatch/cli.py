@@ -108,7 +108,7 @@ def execute(
         right = [tasks.is_correct(workload.tokens[i], result.outputs[i]) for i in done]
         metrics["task_accuracy"] = float(np.mean(right)) if right else None
     out_dir.mkdir(parents=True, exist_ok=True)
-    ran_on = provenance()
+    ran_on = provenance(cfg.policy.module)
     (out_dir / "provenance.json").write_text(json.dumps(ran_on, indent=2) + "\n")
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     metrics["config"], metrics["provenance"] = "config.yaml", ran_on

@@ -40,15 +40,26 @@ def add_policy_name(name: str, budgeted: bool) -> None:
         BUDGETED_POLICIES.append(name)
 
 
+def policy_file(module: str) -> Path | None:
+    """The file `policy.module` names: a `.py` path (a relative one from the working folder,
+    else from the checkout), or an importable module's source; None if it has none."""
+    if module.endswith(".py"):
+        path = Path(module)
+        return path if path.is_absolute() or path.exists() else CHECKOUT / path
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
 def load_policies(module: str) -> None:
     """Import `module`, a Python file's path (`.py`; a relative one from the working folder,
     else from the checkout, as the experiment presets name theirs) or an importable module's
     name, once per process: it registers its policies (`jaxbatch.sched.policies.register_policy`).
     A file that cannot be read or run is a ConfigError naming `policy.module`."""
     is_file = module.endswith(".py")
-    path = Path(module)
-    if is_file and not path.is_absolute() and not path.exists():
-        path = CHECKOUT / path
+    path = policy_file(module) if is_file else Path(module)
     key = str(path.resolve()) if is_file else module
     if key in _loaded_policy_modules:
         return

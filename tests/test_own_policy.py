@@ -4,6 +4,8 @@ keeps its own rule, and is never loaded from the compile store under a stale key
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import partial
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxbatch import device_loop
+from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, validate
 from jaxbatch.run import simulate, simulate_sweep, sweep_key
 from jaxbatch.sched.policies import budgeted_schedule, make_policy, register_policy
@@ -95,6 +98,18 @@ def test_a_budgeted_policy_registered_in_code_gets_the_mixed_passes_of_its_budge
     cfg.policy.token_budget = 2
     with pytest.raises(ConfigError, match=r"policy\.token_budget=2 .*>= engine\.num_slots=4"):
         validate(cfg)
+
+
+def test_a_run_of_it_records_the_file_it_loaded(tmp_path):
+    """Its code is not jaxbatch's, so the git revision does not name it: provenance.json (and
+    metrics.json) give the file and its SHA-256."""
+    execute(_capped(2, backend="simulator", clock="passes"), tmp_path)
+    ran_on = json.loads((tmp_path / "provenance.json").read_text())
+    assert ran_on["policy_module"] == {
+        "name": EXAMPLE, "file": EXAMPLE,
+        "sha256": hashlib.sha256(Path(EXAMPLE).read_bytes()).hexdigest(),
+    }  # fmt: skip
+    assert json.loads((tmp_path / "metrics.json").read_text())["provenance"] == ran_on
 
 
 def test_bad_policy_modules_and_names_get_one_message(tmp_path):

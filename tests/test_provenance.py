@@ -30,6 +30,7 @@ def test_a_run_records_its_config_versions_devices_and_revision(tmp_path):
     assert ran_on["versions"] == {name: version(name) for name in PACKAGES}
     assert ran_on["jax_backend"] == jax.default_backend()
     assert ran_on["devices"] == [str(d) for d in jax.devices()]
+    assert "policy_module" not in ran_on  # the package's own policy: its code is the revision's
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()  # fmt: skip
     assert ran_on["git_revision"] in (head, head + "-dirty")
