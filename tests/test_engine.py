@@ -273,6 +273,35 @@ def test_a_rare_shape_is_raised_to_the_next_planned_context_bucket_by_both_rules
         assert (int(device[0]), int(device[2])) == (rows, after)
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_the_shapes_of_many_passes_at_once_equal_each_pass_its_own(compact):
+    """`shape_fields` of a record's passes (per-slot fields [P, B], kind [P]) gives, pass by
+    pass, what it gives each pass alone: every kind, idle included, with raised buckets; so
+    `RunnerStep.needed` finds a record's shapes in one call."""
+    rng = np.random.default_rng(0)
+    b = Buckets(16, 1024, 16, mixed_rows=512, min_context=64, compact=compact)
+    b = b.raise_rare({b.flat(256, 128): 1, b.flat(256, 256): 40, b.decode(100): 1,
+                      b.decode(200): 250}, 2)  # fmt: skip
+    assert b.raised
+    p = 2000
+    kind = rng.integers(0, 4, p).astype(np.int32)  # IDLE, PREFILL, DECODE, MIXED
+    fed = rng.random((p, 16)) < rng.random((p, 1))  # passes of few slots and of many
+    longest, furthest = rng.integers(2, 300, (p, 1)), rng.integers(1, 700, (p, 1))
+    num_tokens = np.where(fed, rng.integers(1, longest, (p, 16)), 0)
+    num_tokens = np.where((kind == DECODE)[:, None], np.minimum(num_tokens, 1), num_tokens)
+    start_pos = np.where(num_tokens > 0, rng.integers(0, furthest, (p, 16)), 0)
+    req = np.where(num_tokens > 0, np.arange(16), -1)
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    table = np.zeros((0,), np.int32)
+    at_once = b.shape_fields(Plan(i32(req), i32(num_tokens), i32(start_pos), kind,
+                                  np.float32(0), table))  # fmt: skip
+    alone = [b.shape_fields(Plan(i32(req[i]), i32(num_tokens[i]), i32(start_pos[i]), kind[i],
+                                 np.float32(0), table)) for i in range(p)]  # fmt: skip
+    for field, column in enumerate(at_once):
+        np.testing.assert_array_equal(column, [a[field] for a in alone])
+    assert len(set(zip(*at_once[:3]))) > 40  # many shapes, not a few
+
+
 def test_warmup_raises_a_shape_its_dry_run_meets_once_with_the_same_tokens():
     """Planned by a dry run, warm-up prepares one shape fewer: the one decode at context 64 (slot
     0's first, ending at position 64) runs at context 128 with the run's other decodes. The

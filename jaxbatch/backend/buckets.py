@@ -188,20 +188,22 @@ class Buckets:
         first positions (it reads only what was cached before it). Prefill: the count and
         length buckets of its prompts; prompts that all start at position 0 read no cached
         context. `mixed_rows` (traced, as the simulator's sweeps vary the token budget) stands
-        for the field."""
+        for the field. Plans with a leading axis (a record's passes: per-slot fields [P, B], kind
+        [P]) give one shape per pass."""
         active = plan.num_tokens > 0
-        max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0))
-        max_start = xp.max(xp.where(active, plan.start_pos, 0))
-        tiles = xp.sum(-(-xp.maximum(plan.num_tokens - 1, 0) // QUERY_TILE))
-        at_least = xp.maximum(xp.sum(plan.num_tokens), xp.where(tiles > 1, tiles * QUERY_TILE, 0))
+        max_end = xp.max(xp.where(active, plan.start_pos + plan.num_tokens, 0), axis=-1)
+        max_start = xp.max(xp.where(active, plan.start_pos, 0), axis=-1)
+        tiles = xp.sum(-(-xp.maximum(plan.num_tokens - 1, 0) // QUERY_TILE), axis=-1)
+        at_least = xp.maximum(xp.sum(plan.num_tokens, axis=-1),
+                              xp.where(tiles > 1, tiles * QUERY_TILE, 0))  # fmt: skip
         cap = self.mixed_rows if mixed_rows is None else mixed_rows
         cap = xp.where(cap > 0, cap, 1 << 30)  # the ladder capped at cap (>= min_len, a bucket)
         mixed_rows = xp.minimum(pow2_at_least(at_least, self.min_len, 1 << 30, xp), cap)
         decode, mixed = plan.kind == DECODE, plan.kind == MIXED
-        n_active = xp.sum(active)
+        n_active = xp.sum(active, axis=-1)
         count = self.count(n_active, xp)
         rows = xp.where(mixed, mixed_rows, xp.where(decode, self.decode_width(n_active, xp), count))
-        tokens = xp.where(decode | mixed, 1, self.length(xp.max(plan.num_tokens), xp))
+        tokens = xp.where(decode | mixed, 1, self.length(xp.max(plan.num_tokens, axis=-1), xp))
         any_plan = mixed & (xp.maximum(1, mixed_rows // QUERY_TILE) < tiles)
         context = xp.where(mixed, self.context(max_start, xp), self.context(max_end, xp))
         context = self.lifted(plan.kind, rows, tokens, any_plan, context, xp)

