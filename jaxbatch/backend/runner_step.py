@@ -9,8 +9,8 @@ equal to its own. The branches only read the cache; a pass's rows are written on
 switch, in place: a conditional whose branches wrote the cache would make XLA copy it. Decodes
 are one switch over their contexts (an idle, skipped or other pass takes its branch that
 computes nothing), its B rows written after it. Every other shape of rows runs in its own path,
-a while loop of at most one iteration (`_run_if`) holding a switch over its contexts and its
-write. A pass whose shape was not compiled computes nothing, and `check` refuses its run.
+a while loop of at most one iteration (`inplace.run_if`) holding a switch over its contexts and
+its write. A pass whose shape was not compiled computes nothing, and `check` refuses its run.
 
 Until 2026-12-06 (fourteenth session) prefills ran flattened too, at row buckets 4x apart: the
 first pass of realistic continuous (16 prompts, about 1,100 tokens) ran at 4,096 rows, with
@@ -36,17 +36,10 @@ from jaxbatch.backend.runner import (
     prefill_rows,
     store_tokens,
 )
+from jaxbatch.inplace import run_if
 from jaxbatch.sched.state import DECODE, MIXED, Plan
 
 _NONE = jnp.iinfo(jnp.int32).max  # what a step that runs no pass returns: no token, no row
-
-
-def _run_if(pred, fn, state):
-    """fn(state) if pred, else state: a while loop of at most one iteration. XLA updates a while
-    loop's carry in place, where a conditional whose branches wrote the cache would copy it (a
-    64 MB array, 8.4 against 0.10 ms an iteration in a microbenchmark, 2026-12-06)."""
-    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), fn(c[1])),
-                              (pred, state))[1]  # fmt: skip
 
 
 class RunnerStep:
@@ -159,7 +152,7 @@ class RunnerStep:
         def others(state):
             for k, key in enumerate(self.paths):
                 if key[0] != 0:
-                    state = _run_if(path == k, run_path(k), state)
+                    state = run_if(path == k, run_path(k), state)
             return state
 
         # Decodes are one switch over their contexts, or a branch that computes nothing for any
@@ -173,7 +166,7 @@ class RunnerStep:
         decoding = found & (table[shape, 0] == 0)
         out = jax.lax.switch(jnp.where(decoding, at, len(decodes)),
                              [*decodes, lambda cache, buf: none], cache, buf)  # fmt: skip
-        cache, buf, tokens = _run_if(found & ~decoding, others, written(out, cache, buf))
+        cache, buf, tokens = run_if(found & ~decoding, others, written(out, cache, buf))
         ran = table[shape, 1], table[shape, 2], table[shape, 3]
         return (cache, buf), tokens, jnp.float32(1.0), ran
 
