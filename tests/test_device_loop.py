@@ -116,6 +116,37 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(
                                           getattr(second.record, field))  # fmt: skip
 
 
+@pytest.mark.parametrize("queue", ["fcfs", "spf", "priority"])
+def test_a_sweep_admits_at_every_width_as_its_runs_do_one_by_one(queue):
+    """16 slots: a vmapped sweep admits at width 1, 2, 8 or 16, the narrowest that holds the
+    most any member admits on that step, or not at all (`policies._admission`). Bursts of 1, 2,
+    5 and 12 requests, spread apart by a scale per member, so that on one step members admit
+    different numbers; each member equals its own run, field for field, in every queue order."""
+    sizes = [12, 1, 2, 5, 1, 2, 12]
+    arrival = np.concatenate([np.full(k, 40.0 * i) for i, k in enumerate(sizes)])
+    n = len(arrival)
+    rng = np.random.default_rng(0)
+    prompts, budgets = rng.integers(1, 60, n), rng.integers(1, 40, n)
+    priority = rng.integers(0, 3, n)
+    widths = set()
+    policy, params = make_policy("continuous", queue), PolicyParams()
+    states = [init_state(arrival * s, prompts, budgets, np.zeros(n, bool), 16, priority)
+              for s in (1.0, 0.5, 1.7)]  # fmt: skip
+    sim = Simulator(16, 256)  # the passes clock
+    together = run_sweep(policy, [params] * 3, states, [sim] * 3, 2048, 1)
+    for st, member in zip(states, together, strict=True):
+        alone = run_device(policy, params, st, sim, 2048)
+        for field in RECORD_FIELDS + ("start", "duration"):
+            np.testing.assert_array_equal(
+                getattr(alone.record, field), getattr(member.record, field), err_msg=field
+            )
+        np.testing.assert_array_equal(alone.final.admit_order, member.final.admit_order)
+        holder = alone.record.holder
+        entered = ((holder >= 0) & (np.roll(holder, 1, axis=0) != holder))[1:].sum(axis=1)
+        widths |= set(np.concatenate([[(holder[0] >= 0).sum()], entered]).tolist())
+    assert {1, 2, 5, 12} <= widths  # every width's path ran
+
+
 @pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
 def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
     """A sweep steps its ended members on with the others, their states unselected

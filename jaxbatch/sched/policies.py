@@ -168,18 +168,18 @@ def _admission(queue: str):
     (`_choose`, then `_enter`). One run: at the full width B, the queue's top-k only when it
     admits (a `lax.cond`). Under vmap that cond would run the top-k of B for every member on
     every step, and every member's admission at width B (its free slots, needs and cumsums):
-    so the batch chooses at one width, the smallest of ADMIT_WIDTHS (else B) that holds its
-    largest n_admit, none for 0 (a `lax.switch` on an unbatched index); most of a sweep's steps
-    admit one request or none in any member. The switch returns the choice padded to B, and
-    the scatters run after it: a switch that returned the state copied its request arrays in
-    and out (24 copies of a [64, 200] array in the 64-member step's program, against 2; the
-    sweep 1-7% faster, 2026-12-06). The scatters run only on a step where a member admits
-    (`run_if`, in place): `sim_speed.py`'s sweeps over rates and seeds took 0.955-0.960 of their
-    time with them on every step (medians of 7-9 interleaved rounds, 2026-12-07). A run alone
-    keeps the cond: with a switch there too, the
-    host loop's continuous runs measured 2,253 against 2,467 tok/s (medians of 6, interleaved
-    in one process, 2026-12-06), though the jitted schedule alone timed only 5-20 us more a
-    call."""
+    so the batch admits at one width, the smallest of ADMIT_WIDTHS (else B) that holds its
+    largest n_admit, and not at all where no member admits; most of a sweep's steps admit one
+    request or none in any member. Each width is a `run_if` (a while loop of at most one
+    iteration, which updates the state in place) that chooses and enters at that width, its
+    scatters W updates a member wide. Until 2026-12-07 a `lax.switch` over the widths returned
+    the choice padded to B and its scatters ran after it on every step (a switch that returned
+    the state copied its request arrays in and out: 24 copies of a [64, 200] array in the
+    64-member step's program, against 2, 2026-12-06); against that, `sim_speed.py`'s sweeps
+    over rates took 0.859 and 0.899 of their time, over seeds 0.912 (medians of 7-9 interleaved
+    rounds, 2026-12-07). A run alone keeps the cond: with a switch there too, the host loop's
+    continuous runs measured 2,253 against 2,467 tok/s (medians of 6, interleaved in one
+    process, 2026-12-06), though the jitted schedule alone timed only 5-20 us more a call."""
 
     @jax.custom_batching.custom_vmap
     def admission(state, n_admit, params):
@@ -195,17 +195,21 @@ def _admission(queue: str):
             lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
             (state, n_admit, params), tuple(in_batched),
         )  # fmt: skip
+        state, n_admit, params = args
         b = state.slot_req.shape[-1]
-        widths = (0, *(w for w in ADMIT_WIDTHS if w < b), b)
+        widths = (*(w for w in ADMIT_WIDTHS if w < b), b)
+        most = jnp.max(n_admit)
 
-        def at_width(w, state, n_admit, params):
-            head = _smallest(queue_key(state, queue), w)
-            return _padded(_choose(state, n_admit, params, head), b, state.arrival.shape[0])
+        def at_width(w):  # every member's admission at width w (its own n_admit and params)
+            def admit(state, n_admit, params):
+                head = _smallest(queue_key(state, queue), w)
+                return _enter(state, _choose(state, n_admit, params, head))
 
-        branches = [jax.vmap(partial(at_width, w)) for w in widths]
-        tier = sum((jnp.max(n_admit) > w).astype(jnp.int32) for w in widths[:-1])
-        choice = jax.lax.switch(tier, branches, *args)
-        out = run_if(tier > 0, lambda state: jax.vmap(_enter)(state, choice), args[0])
+            return lambda state: jax.vmap(admit)(state, n_admit, params)
+
+        out = state
+        for lo, w in zip((0, *widths), widths):  # at most one runs: the first that holds most
+            out = run_if((most > lo) & (most <= w), at_width(w), out)
         return out, jax.tree.map(lambda _: True, out)
 
     return admission
@@ -235,15 +239,6 @@ def _choose(state: SchedState, n_admit: Array, params: PolicyParams, cand: Array
     slot_ids = jnp.where(take, free_slots_, b)
     reserved = jnp.zeros(w, jnp.int32) if state.memory is None or state.memory.paged else need
     return req, slot_ids, free_slots_, state.step * b + k, reserved.astype(jnp.int32)
-
-
-def _padded(choice: tuple, b: int, n: int) -> tuple:
-    """A choice (`_choose`) padded to B wide with what `_enter` drops."""
-    fill = (n, b, 0, 0, 0)
-    return tuple(
-        jnp.pad(x.astype(jnp.int32), (0, b - x.shape[0]), constant_values=f)
-        for x, f in zip(choice, fill)
-    )
 
 
 def _enter(state: SchedState, choice: tuple) -> SchedState:
