@@ -147,7 +147,7 @@ def _minima(key: Array, k: int) -> Array:
     ids = []
     for _ in range(k):
         low = jnp.min(coded, axis=-1, keepdims=True)
-        ids.append(low % n)
+        ids.append(jax.lax.rem(low, n))  # coded >= 0: the remainder, with no sign fix-up
         coded = jnp.where(coded == low, jnp.iinfo(jnp.int32).max, coded)
     return jnp.concatenate(ids, axis=-1)
 
@@ -233,7 +233,7 @@ def _choose(state: SchedState, n_admit: Array, params: PolicyParams, cand: Array
         free_slots_ = jnp.zeros(b, jnp.int32).at[at].set(jnp.arange(b), mode="drop")[:w]
     tokens = state.prompt_len[cand] + state.num_generated[cand]
     need = state.memory.need(tokens, state.max_new[cand]) if state.memory else jnp.zeros(w)
-    fits = jnp.cumsum(need) <= memory_room(state, params)
+    fits = (jnp.cumsum(need) if w > 1 else need) <= memory_room(state, params)
     take = (k < n_admit) & fits
     req = jnp.where(take, cand, n)  # n: out of range, dropped by `_enter`
     slot_ids = jnp.where(take, free_slots_, b)
