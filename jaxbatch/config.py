@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,8 +313,19 @@ class Config:
 
 
 def _positive(name: str, value) -> None:
+    """A number > 0 and finite (NaN fails every comparison, so each check is written to fail)."""
     if not value > 0:
         raise ConfigError(name, value, "must be > 0")
+    if not math.isfinite(value):
+        raise ConfigError(name, value, "must be a finite number > 0")
+
+
+def _at_least_zero(name: str, value, note: str = "") -> None:
+    """A number >= 0 and finite; `note` says what 0 means."""
+    if not value >= 0:
+        raise ConfigError(name, value, f"must be >= 0{note}")
+    if not math.isfinite(value):
+        raise ConfigError(name, value, f"must be a finite number >= 0{note}")
 
 
 def _one_of(name: str, value, valid: tuple[str, ...]) -> None:
@@ -347,6 +359,8 @@ def validate(cfg: Config) -> None:
     resolve_model(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp", "max_len"):
         _positive(f"model.{name}", getattr(m, name))
+    _positive("model.rope_theta", m.rope_theta)
+    _at_least_zero("model.norm_eps", m.norm_eps)
     _one_of("model.dtype", m.dtype, tuple(DTYPES))
     _one_of("model.kv_dtype", m.kv_dtype, ("auto", *DTYPES))
     if m.d_model % m.n_heads and not m.head_dim:
@@ -372,11 +386,10 @@ def validate(cfg: Config) -> None:
             f"must hold one decode per slot: >= engine.num_slots={cfg.engine.num_slots}",
         )  # fmt: skip
     for name in ("long_prefill_threshold", "max_partial_prefills"):
-        if getattr(p, name) < 0:
-            raise ConfigError(f"policy.{name}", getattr(p, name), "must be >= 0 (0: no limit)")
-    if p.max_wait_s < 0:
-        raise ConfigError("policy.max_wait_s", p.max_wait_s, "must be >= 0")
+        _at_least_zero(f"policy.{name}", getattr(p, name), " (0: no limit)")
+    _at_least_zero("policy.max_wait_s", p.max_wait_s)
     _one_of("workload.kind", w.kind, ("synthetic", "trace", "text", "task"))
+    _at_least_zero("workload.seed", w.seed)  # NumPy's generators take no negative seed
     if w.kind in ("synthetic", "task"):
         _positive("workload.num_requests", w.num_requests)
         _one_of("workload.arrival", w.arrival, ("offline", "poisson", "gamma"))
@@ -414,18 +427,11 @@ def validate(cfg: Config) -> None:
     else:
         if not w.path:
             raise ConfigError("workload.path", w.path, "a trace workload needs a CSV path")
-        if w.limit < 0:
-            raise ConfigError("workload.limit", w.limit, "must be >= 0 (0 keeps every row)")
+        _at_least_zero("workload.limit", w.limit, " (0 keeps every row)")
         _positive("workload.time_scale", w.time_scale)
         _positive("workload.length_scale", w.length_scale)
-        if w.output_scale < 0:
-            raise ConfigError(
-                "workload.output_scale", w.output_scale, "must be >= 0 (0: length_scale)"
-            )
-    if cfg.output.checkpoint_every < 0:
-        raise ConfigError(
-            "output.checkpoint_every", cfg.output.checkpoint_every, "must be >= 0 (0: off)"
-        )
+        _at_least_zero("workload.output_scale", w.output_scale, " (0: length_scale)")
+    _at_least_zero("output.checkpoint_every", cfg.output.checkpoint_every, " (0: off)")
     resolve_auto(cfg)
     if (cfg.output.checkpoint_every or cfg.resume) and e.loop != "host":
         raise ConfigError("engine.loop", e.loop, "checkpoints and resume need the host loop")
@@ -437,8 +443,7 @@ def validate(cfg: Config) -> None:
             "engine.clock", e.clock, "the simulator has no wall time: use passes or priced"
         )
     _hardware(cfg)
-    if e.temperature < 0:
-        raise ConfigError("engine.temperature", e.temperature, "must be >= 0 (0 is greedy)")
+    _at_least_zero("engine.temperature", e.temperature, " (0 is greedy)")
     if not 0 <= e.top_k <= m.vocab_size:
         raise ConfigError("engine.top_k", e.top_k, f"must be in 0..{m.vocab_size} (0: no top-k)")
     if not -1 <= m.eos_id < m.vocab_size:
@@ -477,12 +482,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             "memory.block_size", mem.block_size, f"must divide model.max_len={m.max_len}"
         )
-    if mem.budget_mib < 0:
-        raise ConfigError(
-            "memory.budget_mib", mem.budget_mib, "must be >= 0 (0: one max_len per slot)"
-        )
-    if mem.budget_tokens < 0:
-        raise ConfigError("memory.budget_tokens", mem.budget_tokens, "must be >= 0")
+    _at_least_zero("memory.budget_mib", mem.budget_mib, " (0: one max_len per slot)")
+    _at_least_zero("memory.budget_tokens", mem.budget_tokens)
     if not 0 <= mem.watermark < 1:
         raise ConfigError("memory.watermark", mem.watermark, "must be in [0, 1)")
     _mesh(cfg)
@@ -564,7 +565,7 @@ def _hardware(cfg: Config) -> None:
         )  # fmt: skip
     extras = {"pass": 0.0, "prefill": h.prefill_overhead_us, "mixed": h.mixed_overhead_us}
     for kind, extra in extras.items():  # each kind's whole overhead is a time: never below 0
-        if h.pass_overhead_us + extra < 0:
+        if not h.pass_overhead_us + extra >= 0:
             field, named = f"{kind}_overhead_us", "" if kind == "pass" else f"{kind} "
             total = "pass_overhead_us" + ("" if kind == "pass" else f" + {field}")
             raise ConfigError(

@@ -53,6 +53,25 @@ from jaxbatch.workload import WorkloadError, read_trace
             "(32 tokens): set workload.prompt.dist=uniform (or lognormal, clipped to low..high) "
             "to draw lengths in low..high",
         ),
+        # NaN fails every comparison, so a check written as `x < 0` let it through: these ran
+        # (or failed deep in NumPy) before 2026-12-07
+        ("workload", "seed", -1, "workload.seed=-1 is not valid: must be >= 0"),
+        ("model", "rope_theta", 0.0, "model.rope_theta=0.0 is not valid: must be > 0"),
+        ("model", "norm_eps", -1e-5, "model.norm_eps=-1e-05 is not valid: must be >= 0"),
+        (
+            "engine",
+            "temperature",
+            float("nan"),
+            "engine.temperature=nan is not valid: must be >= 0 (0 is greedy)",
+        ),
+        ("policy", "max_wait_s", float("nan"), "policy.max_wait_s=nan is not valid: must be >= 0"),
+        (
+            "memory",
+            "budget_mib",
+            float("inf"),
+            "memory.budget_mib=inf is not valid: must be a finite number >= 0 (0: one max_len "
+            "per slot)",
+        ),
     ],
 )
 def test_config_errors_name_the_field(section, field, value, expect):
