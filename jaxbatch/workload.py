@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -212,6 +213,11 @@ def read_text(path: Path, tok) -> Workload:
                                 f"and an integer 'max_new_tokens' ({err!r})") from None  # fmt: skip
         if not isinstance(text, str):
             raise WorkloadError(f"{where}: 'prompt' must be a string")
+        if n < 1:
+            raise WorkloadError(f"{where}: 'max_new_tokens' must be >= 1, not {n}")
+        if not (math.isfinite(arrival[-1]) and arrival[-1] >= 0):  # NaN would never arrive
+            raise WorkloadError(f"{where}: 'arrival' must be a finite number of seconds >= 0, "
+                                f"not {arrival[-1]!r}")  # fmt: skip
         tokens.append(np.asarray(tok.encode(text).ids, np.int64))
         budget.append(n)
     if not tokens:

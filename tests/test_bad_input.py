@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxbatch.config import Config, ConfigError, validate
-from jaxbatch.workload import WorkloadError, read_trace
+from jaxbatch.workload import WorkloadError, read_text, read_trace
 
 
 @pytest.mark.parametrize(
@@ -124,3 +124,31 @@ def test_cli_reports_one_message_and_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("jaxbatch: error: engine.num_slots=-1 is not valid: must be > 0")
     assert not (tmp_path / "metrics.json").exists()
+
+
+class _Words:
+    """A stand-in tokenizer: one id per whitespace-separated word."""
+
+    def encode(self, text):
+        return type("Encoding", (), {"ids": list(range(len(text.split())))})()
+
+
+@pytest.mark.parametrize(
+    "line, expect",
+    [
+        ('{"prompt": "a b", "max_new_tokens": 0}', "'max_new_tokens' must be >= 1, not 0"),
+        ('{"prompt": "a b", "max_new_tokens": 3, "arrival": NaN}', "'arrival' must be a finite"),
+        ('{"prompt": "a b", "max_new_tokens": 3, "arrival": -1}', "'arrival' must be a finite"),
+        ('{"prompt": 7, "max_new_tokens": 3}', "'prompt' must be a string"),
+    ],
+)
+def test_bad_text_requests_name_file_and_line(tmp_path, line, expect):
+    """Before 2026-12-07 an arrival of NaN never arrived: the run failed at max_passes."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a b c", "max_new_tokens": 2}\n\n' + line + "\n")
+    with pytest.raises(WorkloadError) as err:
+        read_text(path, _Words())
+    assert str(err.value).startswith(f"{path}:3: {expect}")
+    path.write_text('{"prompt": "a b c", "max_new_tokens": 2, "arrival": 0.5}\n')
+    w = read_text(path, _Words())
+    assert (w.prompt_len.tolist(), w.max_new.tolist(), w.arrival.tolist()) == ([3], [2], [0.5])
