@@ -1,6 +1,6 @@
 """Simulated passes per second: the host loop, the device loop, and sweeps of `--members` runs (over
 arrival rates, and over workload seeds) as one vmapped device loop against the same runs one after
-another (the target: 10x). A sweep runs its members in `device_loop.sweep_groups` groups, one
+another (the target: 10x). A sweep runs its members in `sweep_loop.sweep_groups` groups, one
 host thread each (on this CPU, one per core); it is also timed as one group, for comparison.
 Continuous batching on `--slots` slots, `--requests` Poisson requests (prompts 16..512, outputs
 16..256) per run, Llama-3 8B priced on one H100. The three ways of running a sweep are timed in
@@ -24,10 +24,11 @@ from omegaconf import OmegaConf
 
 from jaxbatch.calibrate import HARDWARE_DIR
 from jaxbatch.config import HardwareConfig, LengthConfig, ModelConfig
-from jaxbatch.device_loop import run_device, run_sweep, sweep_groups
+from jaxbatch.device_loop import run_device
 from jaxbatch.run import build_backend, memory_spec, simulate
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import init_state
+from jaxbatch.sweep_loop import run_sweep, sweep_groups
 from jaxbatch.workload import from_config
 
 

@@ -30,7 +30,7 @@ from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.sharding import compact_decodes, make_mesh, replicated
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import BUDGETED_POLICIES, Config, ConfigError, resolve_auto
-from jaxbatch.device_loop import run_device, run_sweep
+from jaxbatch.device_loop import run_device
 from jaxbatch.engine import RunResult, fixed_plans, plan_warmup, run
 from jaxbatch.interrupt import never
 from jaxbatch.model.checkpoint import TrainedCheckpointError, load_trained
@@ -41,6 +41,7 @@ from jaxbatch.resume import Checkpoints
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import Policy, PolicyParams, make_policy
 from jaxbatch.sched.state import SchedState, init_state
+from jaxbatch.sweep_loop import run_sweep
 from jaxbatch.workload import Workload
 
 
@@ -319,7 +320,7 @@ def sweep_key(cfg: Config) -> str | None:
 
 def simulate_sweep(cfgs: list[Config], workloads: list[Workload]) -> list[RunResult]:
     """Validated configs of one `sweep_key`, each with its workload, as one program
-    (`device_loop.run_sweep`); each result equals its `simulate` (tested field for field)."""
+    (`sweep_loop.run_sweep`); each result equals its `simulate` (tested field for field)."""
     keys = {sweep_key(c) for c in cfgs}
     if len(keys) != 1 or None in keys or len({len(w) for w in workloads}) != 1:
         raise ValueError("simulate_sweep: runs of one sweep_key, with workloads of one length")

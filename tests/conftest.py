@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import jaxbatch.run
-from jaxbatch import config, device_loop
+from jaxbatch import config, sweep_loop
 from jaxbatch.backend import compilation, executables
 from jaxbatch.config import Config, EngineConfig, ModelConfig, OutputConfig, PolicyConfig
 from jaxbatch.model.spec import ModelSpec
@@ -57,7 +57,7 @@ def _fresh_compilations():
     yield
     jax.clear_caches()
     executables.clear()
-    device_loop.clear_programs()
+    sweep_loop.clear_programs()  # the device loop's too
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,13 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxbatch import device_loop as loop_module
+from jaxbatch import device_loop, sweep_loop
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.config import HardwareConfig, MemoryConfig, ModelConfig
-from jaxbatch.device_loop import run_device, run_sweep
+from jaxbatch.device_loop import run_device
 from jaxbatch.run import simulate, simulate_sweep, sweep_key
 from jaxbatch.sched.policies import PolicyParams, make_policy
 from jaxbatch.sched.state import IDLE, init_state
+from jaxbatch.sweep_loop import run_sweep
 from tests.conftest import make_config, make_workload
 
 H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory_gb=80,
@@ -80,11 +81,11 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(
     """Three arrival processes (a rate sweep) as one program (`run_sweep`), field for field,
     also when the sweep narrows to its last running member, and in groups of members stepped
     by their own threads."""
-    monkeypatch.setattr(loop_module, "SWEEP_BYTES", sweep_bytes)
-    monkeypatch.setattr(loop_module, "MIN_LANES", min_lanes)
-    narrowed, narrow = [], loop_module._narrow  # what each call of `_narrow` kept
+    monkeypatch.setattr(sweep_loop, "SWEEP_BYTES", sweep_bytes)
+    monkeypatch.setattr(sweep_loop, "MIN_LANES", min_lanes)
+    narrowed, narrow = [], sweep_loop._narrow  # what each call of `_narrow` kept
     monkeypatch.setattr(
-        loop_module, "_narrow", lambda *a: narrowed.append(narrow(*a)) or narrowed[-1]
+        sweep_loop, "_narrow", lambda *a: narrowed.append(narrow(*a)) or narrowed[-1]
     )
     policy, params = make_policy("continuous"), PolicyParams()
     n = len(PROMPTS)
@@ -150,7 +151,7 @@ def test_a_sweep_admits_at_every_width_as_its_runs_do_one_by_one(queue):
 @pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])
 def test_an_ended_run_is_a_fixed_point_of_schedule_and_commit(policy):
     """A sweep steps its ended members on with the others, their states unselected
-    (`device_loop._advance`): an ended run, scheduled again at its clock, plans an idle pass
+    (`device_loop.advance`): an ended run, scheduled again at its clock, plans an idle pass
     with no wake, and that plan's commit leaves its state field for field as it was. Arrivals,
     and paged memory (continuous and chunked preempt in it)."""
     cfg = make_config(policy, num_slots=3, backend="simulator", clock="passes")
@@ -201,7 +202,7 @@ def test_a_record_drained_from_a_small_buffer_is_the_whole_record(monkeypatch):
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
     w = make_workload(PROMPTS, BUDGETS, arrival=ARRIVALS)
     whole = simulate(cfg, w)
-    monkeypatch.setattr(loop_module, "BUFFER", 7)  # drained every 7 passes
+    monkeypatch.setattr(device_loop, "BUFFER", 7)  # drained every 7 passes
     drained = simulate(cfg, w)
     assert whole.record.num_passes > 3 * 7
     for field in ("start", "kind", "req", "num_tokens", "start_pos", "holder", "kv_reserved"):
@@ -254,7 +255,7 @@ def test_a_simulated_run_of_a_program_already_compiled_compiles_nothing_and_runs
     later = make_workload(PROMPTS[::-1], BUDGETS, arrival=np.array(ARRIVALS) * 3)
 
     def afresh():  # forget the kept programs, and JAX's: the next run compiles
-        loop_module.clear_programs()
+        device_loop.clear_programs()
         jax.clear_caches()
 
     afresh()
