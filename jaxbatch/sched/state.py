@@ -35,7 +35,7 @@ class SchedState:
     prompt_len: Array  # [N] i32
     max_new: Array  # [N] i32 output budget
     priority: Array  # [N] i32, larger runs first where a policy honours it
-    status: Array  # [N] i32, one of WAITING..REJECTED
+    status: Array  # [N] i8, one of WAITING..REJECTED (`init_state`: why int8)
     num_computed: Array  # [N] i32 tokens whose KV is in the cache
     num_generated: Array  # [N] i32 output tokens produced
     slot: Array  # [N] i32 the slot held, -1 none
@@ -87,7 +87,10 @@ def init_state(
 ) -> SchedState:
     """The state before a run's first pass. `usable_blocks` (paged memory; default all): the
     blocks of the pool that may be granted, the rest never free; so runs of different memory
-    budgets share one pool's shapes, as the members of a sweep must."""
+    budgets share one pool's shapes, as the members of a sweep must. `status` is int8: a
+    scheduler step reads it whole twice (the queue, the next arrival), and a 64-member vmapped
+    sweep over rates took 0.907, 0.951 and 0.968 of its time with int8 against int32, over seeds
+    0.930, 0.996 and 0.977 (medians of 11-15 interleaved rounds, 2026-12-07)."""
     n = len(arrival)
     priority = np.zeros(n, np.int64) if priority is None else np.asarray(priority)
     zeros = jnp.zeros(n, jnp.int32)
@@ -99,7 +102,7 @@ def init_state(
         prompt_len=jnp.asarray(prompt_len, jnp.int32),
         max_new=jnp.asarray(max_new, jnp.int32),
         priority=jnp.asarray(priority, jnp.int32),
-        status=jnp.where(jnp.asarray(rejected, bool), REJECTED, WAITING).astype(jnp.int32),
+        status=jnp.where(jnp.asarray(rejected, bool), REJECTED, WAITING).astype(jnp.int8),
         num_computed=zeros,
         num_generated=zeros,
         slot=jnp.full(n, -1, jnp.int32),
