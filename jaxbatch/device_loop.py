@@ -80,7 +80,7 @@ def _seen(now: jax.Array) -> jax.Array:
 
 
 def advance(policy: Policy, params: PolicyParams, backend: Backend, consts, max_passes: int,
-             warm, window, carry):  # fmt: skip
+            warm, window, carry):  # fmt: skip
     """One iteration: schedule at the clock; an idle plan moves the clock, any other runs a pass.
     Returns the next carry (its record untouched), the pass's record row and whether it ran (an
     idle plan, or a halted run, records nothing): `_step` writes the row at the run's pass count,
