@@ -100,10 +100,10 @@ def advance(policy: Policy, params: PolicyParams, backend: Backend, consts, max_
     bc, tokens, cost, (rows, row_tokens, context) = backend.device_step(
         consts, bc, plan, idle | halted, jnp.where(warm, p, -1)
     )
-    holder = st.slot_req
+    holder, kv = st.slot_req, kv_live(st, plan)
     # An idle plan feeds nothing, so its commit changes nothing: no select between whole states.
     st = policy.commit(st, plan, tokens, params)
-    kv, granted = kv_live(st, holder), kv_reserved(st)
+    granted = kv_reserved(st)
     row = pass_row(now0[0], cost, plan, holder, (rows, row_tokens, context), kv, granted)
     row["start_lo"] = now0[1]  # the clock's low part (`_add`)
     ran = ~idle & ~halted

@@ -82,9 +82,14 @@ class RunResult:
         return {i: np.stack(v) for i, v in sorted(out.items())}
 
 
-def kv_live(state: SchedState, holder: Array) -> Array:
-    """KV positions holding the cached tokens of the requests in `holder` (per slot, -1 free)."""
-    return jnp.where(holder >= 0, state.num_computed[jnp.maximum(holder, 0)], 0).sum()
+def kv_live(state: SchedState, plan: Plan) -> Array:
+    """KV positions holding the cached tokens of the held requests once `plan`'s pass is
+    committed, from the state it was planned from: a fed slot's tokens up to its start_pos +
+    num_tokens (as `commit` sets them), another's as cached. Reading the state before the commit
+    shares `commit`'s gather of num_computed (XLA computes equal gathers once)."""
+    cached = state.num_computed[jnp.maximum(state.slot_req, 0)]
+    after = jnp.where(plan.num_tokens > 0, plan.start_pos + plan.num_tokens, cached)
+    return jnp.where(state.slot_req >= 0, after, 0).sum()
 
 
 def kv_reserved(state: SchedState) -> Array:
@@ -221,9 +226,9 @@ def _stepper(policy: Policy):
     """
 
     def step(state, plan, tokens, params, now):
-        holder = state.slot_req
+        holder, kv = state.slot_req, kv_live(state, plan)
         state = policy.commit(state, plan, tokens, params)
-        kv, reserved = kv_live(state, holder), kv_reserved(state)
+        reserved = kv_reserved(state)
         state, next_plan = policy.schedule(state.replace(now=now), params)
         return state, next_plan, pack(next_plan, holder, kv, reserved)
 

@@ -67,6 +67,12 @@ def check_common(res, arrival, prompt, budget):
     assert (fed & ~prefill).sum() == (budget - 1).sum()
     # The passes clock: each pass starts one unit after the last, or at an arrival.
     assert (np.diff(rec.start) >= 1).all()
+    # The KV positions live after each pass: every holder's tokens fed so far (no preemption).
+    cached, live = np.zeros(N, int), []
+    for p in range(rec.num_passes):
+        np.add.at(cached, rec.req[p][fed[p]], rec.num_tokens[p][fed[p]])
+        live.append(cached[rec.holder[p][rec.holder[p] >= 0]].sum())
+    np.testing.assert_array_equal(rec.kv_tokens, live)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

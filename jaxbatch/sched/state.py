@@ -57,7 +57,8 @@ class SchedState:
 
 @struct.dataclass
 class Plan:
-    """One pass, per slot [B]. A slot feeds num_tokens tokens starting at position start_pos."""
+    """One pass, per slot [B]. A slot feeds num_tokens tokens starting at position start_pos,
+    of the request it holds (req: the state's slot_req, or -1 where it feeds nothing)."""
 
     req: Array  # [B] i32, -1 idle
     num_tokens: Array  # [B] i32, 0 idle, 1 decode, k prompt tokens
