@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.engine import run
+from jaxbatch.inplace import set_few
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.policies import PolicyParams, _smallest, admit, make_policy, queue_key, release
 from jaxbatch.sched.state import FINISHED, PREEMPTED, PREFILL, RUNNING, WAITING, init_state
@@ -325,6 +326,29 @@ def test_release_frees_only_the_masked_slots_requests():
         out = jax.jit(release)(state, jnp.array(mask))
         np.testing.assert_array_equal(np.asarray(out.slot), slot)
         np.testing.assert_array_equal(np.asarray(out.reserved), reserved)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 12), st.randoms(use_true_random=False))
+def test_a_vmapped_set_few_equals_each_members_scatter(most, rnd):
+    """`set_few` sets each member's indices alone where none sets more than one, and all of
+    them otherwise: the same arrays as a plain scatter per member, whatever the widest member
+    (members that set no index, one or `most`; out-of-range indices dropped)."""
+    rng = np.random.default_rng(rnd.randrange(2**32))
+    n, b, m = 20, 12, 6
+    index = np.full((m, b), n)
+    for r in range(m):
+        k = [0, 1, most][r % 3]
+        index[r, rng.permutation(b)[:k]] = rng.choice(n, k, replace=False)
+    index[rng.random((m, b)) < 0.2] = n + 3  # beyond N too
+    arrays = tuple(rng.integers(0, 9, (m, n)).astype(t) for t in (np.int32, np.int8))
+    got = jax.jit(jax.vmap(lambda a, i: set_few(a, i, (-1, 3))))(arrays, index)
+    for r in range(m):
+        want = (arrays[0][r].copy(), arrays[1][r].copy())
+        ok = index[r][index[r] < n]
+        want[0][ok], want[1][ok] = -1, 3
+        np.testing.assert_array_equal(got[0][r], want[0])
+        np.testing.assert_array_equal(got[1][r], want[1])
 
 
 @pytest.mark.parametrize("policy", ["static", "continuous", "orca", "chunked"])

@@ -18,7 +18,7 @@ from flax import struct
 from jax import Array
 
 from jaxbatch.config import add_policy_name
-from jaxbatch.inplace import run_if
+from jaxbatch.inplace import run_if, set_few
 from jaxbatch.sched.blocks import allocate, blocks_for, free_slots
 from jaxbatch.sched.state import (
     DECODE,
@@ -73,9 +73,10 @@ def release(state: SchedState, mask: Array) -> SchedState:
     slots scatter to N, out of range and dropped (an index of -1 would wrap to request N-1)."""
     req = jnp.where(mask & (state.slot_req >= 0), state.slot_req, state.arrival.shape[0])
     table, pool = free_slots(state.block_table, state.block_free, mask)
+    slot, reserved = set_few((state.slot, state.reserved), req, (-1, 0))
     return state.replace(
-        slot=state.slot.at[req].set(-1, mode="drop"),
-        reserved=state.reserved.at[req].set(0, mode="drop"),
+        slot=slot,
+        reserved=reserved,
         slot_req=jnp.where(mask, -1, state.slot_req),
         block_table=table,
         block_free=pool,
@@ -440,11 +441,11 @@ def commit(state: SchedState, plan: Plan, tokens: Array, params: PolicyParams) -
     emits = active & (computed == state.prompt_len[r] + state.num_generated[r])
     generated = state.num_generated[r] + emits
     ended = emits & ((generated >= state.max_new[r]) | (tokens == params.eos_id))
-    status = jnp.where(ended, FINISHED, state.status[r])
+    (status,) = set_few((state.status,), jnp.where(ended, req, n), (FINISHED,))
     return state.replace(
         num_computed=state.num_computed.at[req].set(computed, mode="drop"),
         num_generated=state.num_generated.at[req].set(generated, mode="drop"),
-        status=state.status.at[req].set(status, mode="drop"),
+        status=status,
         step=state.step + (plan.kind != IDLE),
     )
 
