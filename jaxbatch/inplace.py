@@ -1,4 +1,5 @@
-"""A conditional update that XLA does in place.
+"""Updates that XLA does in place: a conditional one (`run_if`), and a vmapped scatter of the few
+indices a step sets (`set_few`).
 
 `run_if(pred, fn, state)` is `fn(state)` if `pred`, else `state`, written as a while loop of at
 most one iteration. XLA updates a while loop's carry in place, where a conditional whose branches
