@@ -36,7 +36,7 @@ from jaxbatch.clock import WINDOW, Clock
 from jaxbatch.engine import RunResult, kv_live, kv_reserved
 from jaxbatch.interrupt import never
 from jaxbatch.report.recorder import PASS_FIELDS, SLOT_FIELDS, from_columns, pass_row
-from jaxbatch.sched.policies import BUILT_IN, Policy, PolicyParams, make_policy
+from jaxbatch.sched.policies import Policy, PolicyParams, built_in
 from jaxbatch.sched.state import FINISHED, IDLE, REJECTED, SchedState
 
 _INF = float("inf")
@@ -197,7 +197,7 @@ def run_device(
     run = _programs.get(key) if key else None
     if run is None:
         jitted = jax.jit(segment, donate_argnums=2, out_shardings=placed)
-        named = key and _named(policy)
+        named = key and built_in(policy)
         if named:  # found on disk by what makes it, without tracing it (`executables`)
             static = ("device_loop.segment", named, backend.program_key, size, window)
             run = compiled(jitted, static, args, keep=False)  # kept below, PROGRAMS_KEPT at most
@@ -284,16 +284,6 @@ def _avals(tree) -> tuple:
          getattr(x, "sharding", None))
         for x in leaves
     )  # fmt: skip
-
-
-def _named(policy: Policy) -> tuple | None:
-    """A built-in policy of `make_policy` by its arguments (its functions are the package's
-    code, which the store's key holds); None for another, a registered one included (its code
-    is not in the key: compiled anew, never loaded stale)."""
-    queue = getattr(policy.schedule, "keywords", {}).get("queue")
-    if policy.name in BUILT_IN and queue is not None and make_policy(policy.name, queue) == policy:
-        return ("make_policy", policy.name, queue)
-    return None
 
 
 def clear_programs() -> None:

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbatch import engine
+from jaxbatch.backend import compilation
 from jaxbatch.backend.buckets import Buckets
 from jaxbatch.backend.runner import Runner
 from jaxbatch.backend.simulator import Simulator
@@ -331,3 +333,36 @@ def test_planning_again_raises_from_every_pass_at_its_own_bucket():
     raised = sim.buckets
     assert [(s.all_slots, s.context) for s in first] == [(False, 0), (True, 128)]
     assert plan_warmup(policy, PolicyParams(), state, sim) == first and sim.buckets == raised
+
+
+def test_a_repeated_plan_reads_its_dry_run_from_the_store(tmp_path, monkeypatch, caplog):
+    """A built-in policy's dry run is kept in the compile store under a key of the code and of
+    every input (`executables.remembered`): planning the same run again, as a repeated run does
+    in a new process, reads the same shapes and raises them alike without running it; another
+    workload, or a registered policy (whose code is in no key), runs its own; a file that cannot
+    be read is computed again."""
+    monkeypatch.setattr(compilation, "_store", [tmp_path])
+    runs = []
+    monkeypatch.setattr(engine, "planned_shapes", lambda *a: runs.append(a) or planned_shapes(*a))
+    state = init_state(np.zeros(2), np.array([63, 20]), np.array([40, 40]), np.zeros(2, bool), 2)
+    other = state.replace(prompt_len=state.prompt_len.at[1].set(21))
+
+    def plan(policy, state):
+        sim = Simulator(num_slots=2, max_len=256, min_context=64)
+        return plan_warmup(policy, PolicyParams(), state, sim), sim.buckets
+
+    continuous = make_policy("continuous")
+    first = plan(continuous, state)
+    assert len(runs) == 1 and len(list(tmp_path.glob("*.val"))) == 1
+    assert plan(continuous, state) == first and len(runs) == 1  # read, not run
+    assert [(s.all_slots, s.context) for s in first[0]] == [(False, 0), (True, 128)]
+    plan(continuous, other)
+    assert len(runs) == 2 and len(list(tmp_path.glob("*.val"))) == 2
+    own = continuous._replace(schedule=lambda *a: continuous.schedule(*a))
+    assert plan(own, state) == first and len(runs) == 3
+    assert plan(own, state) == first and len(runs) == 4  # never stored
+    for path in tmp_path.glob("*.val"):
+        path.write_bytes(b"cut")
+    assert plan(continuous, state) == first and len(runs) == 5
+    assert "computing it again" in caplog.text
+    assert plan(continuous, state) == first and len(runs) == 5

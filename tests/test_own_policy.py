@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxbatch import device_loop
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, validate
 from jaxbatch.run import simulate, simulate_sweep, sweep_key
-from jaxbatch.sched.policies import budgeted_schedule, make_policy, register_policy
+from jaxbatch.sched.policies import budgeted_schedule, built_in, make_policy, register_policy
 from jaxbatch.sched.state import FINISHED, PREFILL
 from tests.conftest import make_config, make_workload
 
@@ -60,8 +59,8 @@ def test_both_loops_run_it_alike_with_arrivals_and_it_is_never_stored():
     device = simulate(_capped(1, backend="simulator", clock="passes", loop="device"), w)
     _equal(device.record, host.record)
     # a registered policy's code is not in the compile store's keys: compiled, never loaded
-    assert device_loop._named(make_policy("capped")) is None
-    assert device_loop._named(make_policy("continuous")) == ("make_policy", "continuous", "fcfs")
+    assert built_in(make_policy("capped")) is None
+    assert built_in(make_policy("continuous")) == ("make_policy", "continuous", "fcfs")
 
 
 def test_its_tokens_equal_continuous_on_the_runner():

@@ -17,9 +17,9 @@ from jaxbatch.backend import compilation, executables
 from jaxbatch.backend.runner import prefill_rows
 from jaxbatch.cli import execute
 from jaxbatch.config import ConfigError, LengthConfig, MemoryConfig, WorkloadConfig, validate
-from jaxbatch.device_loop import _named, clear_programs, run_device
+from jaxbatch.device_loop import clear_programs, run_device
 from jaxbatch.run import build_backend, memory_spec, runner_step, simulate
-from jaxbatch.sched.policies import PolicyParams, make_policy
+from jaxbatch.sched.policies import PolicyParams, built_in, make_policy
 from jaxbatch.sched.state import FINISHED, PREFILL, Plan, init_state
 from tests.conftest import make_config, make_workload
 
@@ -230,6 +230,6 @@ def test_a_later_process_loads_the_device_loops_program_and_runs_it_on_its_own_w
     assert (again.num_compiles, again.cache_hits) == (0, 1)
     _same_run(again, host)
     assert any((a != b).any() for a, b in zip(again.outputs, first.outputs))  # other weights
-    assert _named(make_policy("chunked", "spf")) == ("make_policy", "chunked", "spf")
+    assert built_in(make_policy("chunked", "spf")) == ("make_policy", "chunked", "spf")
     own = make_policy("chunked")._replace(schedule=lambda *a: make_policy("chunked").schedule(*a))
-    assert _named(own) is None
+    assert built_in(own) is None

@@ -10,7 +10,9 @@ jaxlib, flax and numpy, the devices and the processor, XLA's flags and every JAX
 program's static arguments, and the types, shapes and placements of its arguments. A change to any
 of them is another key, so no program compiled from other code or for other inputs is loaded.
 A program not found is compiled (through JAX's cache) and saved; one JAX's cache held is saved
-with the bytes JAX read (see `_compile`).
+with the bytes JAX read (see `_compile`). What a run computes before compiling, from its inputs
+alone (the shapes a dry run meets), is kept there too (`remembered`), under a key of the same
+things and of the inputs' values.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import os
 import pickle
 import platform
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -126,10 +129,40 @@ def _serialized(program, executable: bytes | None) -> tuple:
         return file.getvalue(), in_tree, program.out_tree
 
 
+def remembered(static: tuple, values, compute: Callable[[], object]):
+    """`compute()`, a pure function of the jaxbatch code, of `static` (reprs that do not change
+    between processes) and of the arrays and scalars of the pytree `values`: read from the store
+    where an earlier process saved it under a key of all of them, else computed and saved (a
+    pickle beside the programs, pruned with them). Without a store, computed."""
+    folder = store()
+    if folder is None:
+        return compute()
+    path = folder / f"{_key(static, values, values=True)}.val"
+    if path.exists():
+        try:
+            value = pickle.loads(path.read_bytes())
+        except Exception as err:  # cut short, or written by something else: computed anew
+            _log.warning("could not read %s (%s): computing it again", path, err)
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # used now: pruned last
+            return value
+    value = compute()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{path.stem}.{os.getpid()}.tmp"  # renamed whole: no reader sees half
+        tmp.write_bytes(pickle.dumps(value))
+        os.replace(tmp, path)
+    except Exception as err:  # a full disk or a read-only folder costs the next run time only
+        _log.warning("could not save %s (%s)", path, err)
+    return value
+
+
 def prune(folder: Path, limit: int) -> None:
-    """Delete the least recently used programs in `folder` until it holds at most `limit` bytes."""
+    """Delete the least recently used programs and values (`remembered`) in `folder` until it
+    holds at most `limit` bytes."""
     files = []
-    for path in folder.glob("*.exe"):
+    for path in [*folder.glob("*.exe"), *folder.glob("*.val")]:
         try:
             stat = path.stat()
         except FileNotFoundError:  # another process pruned it
@@ -143,13 +176,18 @@ def prune(folder: Path, limit: int) -> None:
         total -= size
 
 
-def _key(static: tuple, args: tuple) -> str:
+def _key(static: tuple, args: tuple, values: bool = False) -> str:
+    """The store's key of what `static` names for `args`: their types, shapes and placements
+    (a program), or (`values`) their values too (`remembered`)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     settings = sorted(
         (k, v) for k, v in jax.config.values.items()
         if isinstance(v, (bool, int, float, str, type(None)))
     )  # fmt: skip
-    made_of = (_code(), settings, repr(static), str(tree), [_signature(x) for x in leaves])
+    signatures = [_signature(x) for x in leaves]
+    if values:
+        signatures = [(s, np.asarray(x).tobytes()) for s, x in zip(signatures, leaves)]
+    made_of = (_code(), settings, repr(static), str(tree), signatures)
     return hashlib.sha256(repr(made_of).encode()).hexdigest()[:40]
 
 

@@ -486,6 +486,17 @@ def make_policy(name: str, queue: str = "fcfs") -> Policy:
     return _policy(name, queue)
 
 
+def built_in(policy: Policy) -> tuple | None:
+    """A built-in policy of `make_policy` by its arguments, ("make_policy", name, queue): its
+    functions are the package's code, which the compile store's keys hold, so what is saved for
+    it (a compiled loop, a dry run's shapes) is found again; None for any other, a registered
+    one included (its code is not in those keys: never loaded stale)."""
+    queue = getattr(policy.schedule, "keywords", {}).get("queue")
+    if policy.name in BUILT_IN and queue is not None and make_policy(policy.name, queue) == policy:
+        return ("make_policy", policy.name, queue)
+    return None
+
+
 @cache
 def _policy(name: str, queue: str) -> Policy:
     return Policy(name=name, schedule=partial(POLICIES[name], queue=queue), commit=commit)
