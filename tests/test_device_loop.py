@@ -68,8 +68,9 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
 
 
 # sweep_bytes: one segment, or drained every 16 iterations; min_lanes 8: 3 members at once, 1:
-# narrowed to 1 once 1 runs; groups 2: members 0 and 2 on one thread, 1 on another. Expected: the
-# lanes each narrowing kept (of the slowest arrivals' member, 2).
+# narrowed to 1 once 1 runs; groups 2: split by `_split` (min_lanes 1: members 0 and 2 on one
+# thread, 1 on another; 8: 1 and 2, and 0). Expected: the lanes each narrowing kept (of the
+# slowest arrivals' member, 2).
 @pytest.mark.parametrize(
     "sweep_bytes, min_lanes, groups, kept",
     [(1 << 28, 8, 1, []), (1, 8, 1, []), (1 << 28, 1, 1, [[2]]), (1, 1, 1, [[2]]),
@@ -115,6 +116,20 @@ def test_vmapped_members_equal_the_same_runs_one_by_one(
         for field in RECORD_FIELDS + ("start", "duration"):
             np.testing.assert_array_equal(getattr(first.record, field),
                                           getattr(second.record, field))  # fmt: skip
+
+
+def test_members_whose_last_requests_arrive_latest_share_a_group_with_the_earliest():
+    """`_split`: member i in group i % g where every member's last request arrives at once (an
+    offline sweep, or one over budgets); else the MIN_LANES latest and the earliest fill group 0
+    and the others the other groups in turn. Every member in exactly one group."""
+    np.testing.assert_array_equal(np.concatenate(sweep_loop._split([0.0] * 5, 2)), [0, 2, 4, 1, 3])
+    last = np.geomspace(0.25, 4.0, 64)[::-1]  # member 0 arrives latest
+    first, second = sweep_loop._split(list(last), 2)
+    assert first.tolist() == [*range(8), *range(40, 64)] and second.tolist() == list(range(8, 40))
+    groups = sweep_loop._split(list(np.arange(40.0)), 3)
+    assert [len(x) for x in groups] == [14, 13, 13]
+    assert groups[0].tolist() == [*range(6), *range(32, 40)]
+    assert sorted(np.concatenate(groups).tolist()) == list(range(40))
 
 
 @pytest.mark.parametrize("queue", ["fcfs", "spf", "priority"])
