@@ -23,6 +23,15 @@ def run_if(pred, fn, state):
                               (pred, state))[1]  # fmt: skip
 
 
+def batched(axis_size: int, in_batched, args: tuple) -> tuple:
+    """A `custom_vmap` rule's arguments with every unbatched leaf broadcast along a leading
+    axis of `axis_size`, so the rule sees each member's own copy."""
+    return jax.tree.map(
+        lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
+        args, tuple(in_batched),
+    )  # fmt: skip
+
+
 def set_few(arrays: tuple, index, values: tuple) -> tuple:
     """Each of `arrays` [N] with `values`' constant at `index` [B] (indices >= 0; N or more:
     none): `arrays[i].at[index].set(values[i])`. Meant for the few indices a step sets, such as the
@@ -45,10 +54,7 @@ def _setter(values: tuple):
 
     @setter.def_vmap
     def _(axis_size, in_batched, arrays, index):
-        arrays, index = jax.tree.map(
-            lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
-            (arrays, index), tuple(in_batched),
-        )  # fmt: skip
+        arrays, index = batched(axis_size, in_batched, (arrays, index))
         n = arrays[0].shape[-1]
         most = (index < n).sum(-1).max()
         one = jnp.min(index, axis=-1, keepdims=True)  # where a member sets at most one index

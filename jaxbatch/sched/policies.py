@@ -18,7 +18,7 @@ from flax import struct
 from jax import Array
 
 from jaxbatch.config import add_policy_name
-from jaxbatch.inplace import run_if, set_few
+from jaxbatch.inplace import batched, run_if, set_few
 from jaxbatch.sched.blocks import allocate, blocks_for, free_slots
 from jaxbatch.sched.state import (
     DECODE,
@@ -192,11 +192,7 @@ def _admission(queue: str):
 
     @admission.def_vmap
     def _(axis_size, in_batched, state, n_admit, params):
-        args = jax.tree.map(
-            lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
-            (state, n_admit, params), tuple(in_batched),
-        )  # fmt: skip
-        state, n_admit, params = args
+        state, n_admit, params = batched(axis_size, in_batched, (state, n_admit, params))
         b = state.slot_req.shape[-1]
         widths = (*(w for w in ADMIT_WIDTHS if w < b), b)
         most = jnp.max(n_admit)
