@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxbatch.config import ConfigError, MemoryConfig
+from jaxbatch.report.recorder import emitted
 from jaxbatch.run import simulate
 from jaxbatch.sched.blocks import MemorySpec, blocks_for
 from jaxbatch.sched.policies import PolicyParams, make_policy
@@ -63,6 +64,33 @@ def test_preemption_recomputes_and_loses_nothing():
     # Request 1 is recomputed later: its prompt and the one token it had generated.
     recompute = [p for p in range(2, rec.num_passes) if rec.req[p].tolist().count(1)]
     assert rec.num_tokens[recompute[0]][rec.req[recompute[0]] == 1].tolist() == [81]
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_a_chunked_recomputation_emits_only_past_what_it_had_reached(loop):
+    """Chunked prefill (chunks of 16) under a tight paged budget: request 2 (a 25-token prompt)
+    is preempted after it has generated, and recomputes its prompt and outputs in chunks; a
+    pass that ends past its prompt but within what it had reached re-feeds known tokens and
+    emits nothing (`policies.commit`). The record's emits (`recorder.emitted`) equal each
+    request's outputs: 29 for request 2, where counting every fed slot past its prompt as an
+    output had made 36. Read pass by pass (the host loop's progress count), the same."""
+    prompts, budgets = [35, 23, 25, 12, 13, 10], [15, 34, 29, 37, 25, 28]
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes", loop=loop)
+    cfg.policy.token_budget, cfg.policy.long_prefill_threshold = 32, 16
+    cfg.memory = MemoryConfig(layout="paged", budget_tokens=144, block_size=16, watermark=0.0)
+    res = simulate(cfg, make_workload(prompts, budgets))
+    rec, final = res.record, res.final
+    assert int(final.num_preemptions[2]) == 1
+    np.testing.assert_array_equal(np.asarray(final.num_generated), budgets)
+    np.testing.assert_array_equal(np.bincount(rec.req[rec.emits], minlength=6), budgets)
+    ends = rec.start_pos + rec.num_tokens
+    refed = (rec.req == 2) & (rec.num_tokens > 0) & (ends > 25) & ~rec.emits
+    assert refed.sum() == 7  # a chunk into its outputs, then one of them a pass: the 36 - 29
+    reached = np.full(6, -1)
+    one_by_one = [emitted(rec.req[p : p + 1], rec.num_tokens[p : p + 1],
+                          rec.start_pos[p : p + 1], np.array(prompts), reached)[0]
+                  for p in range(rec.num_passes)]  # fmt: skip
+    np.testing.assert_array_equal(np.array(one_by_one), rec.emits)
 
 
 @st.composite

@@ -49,11 +49,39 @@ class Record:
         return replace(self, start=np.arange(p, dtype=np.float64), duration=np.ones(p))
 
 
-def emitted(req, num_tokens, start_pos, prompt_len: np.ndarray) -> np.ndarray:
-    """Which slots (of one pass, or [P, B] of many) produced an output token: those fed whose
-    tokens reach past their prompt."""
-    ends = start_pos + num_tokens
-    return (num_tokens > 0) & (ends >= prompt_len[np.maximum(req, 0)])
+def emitted(req, num_tokens, start_pos, prompt_len: np.ndarray, reached=None) -> np.ndarray:
+    """Which slots of a record's passes ([P, B], in pass order) produced an output token: those
+    fed whose tokens end at or past their prompt and past every position their request reached
+    before (`policies.commit`: a request emits once all its known tokens are cached, and they end
+    one past the furthest position it reached). A preempted request recomputes its prompt and
+    outputs, perhaps in pieces (chunks, or orca's pieces of a recomputation longer than its
+    budget): a piece ending within what it had reached emits nothing. `reached` ([N], -1: none),
+    where given, holds each request's furthest end before these passes, and is updated."""
+    req, num_tokens, start_pos = (np.asarray(x) for x in (req, num_tokens, start_pos))
+    fed, end, r = num_tokens > 0, start_pos + num_tokens, np.maximum(req, 0)
+    out = fed & (end >= prompt_len[r])
+    # The furthest end binds only a request fed from position 0 again (a recomputation) or one
+    # fed before these passes: each pass of another ends past its last.
+    again = np.bincount(r[fed & (start_pos == 0)], minlength=len(prompt_len)) > 1
+    if reached is not None:
+        again |= reached >= 0
+    p, b = np.nonzero(fed & again[r])  # in pass order; a request is fed in one slot a pass
+    if len(p):
+        who, ends = r[p, b], end[p, b].astype(np.int64)
+        order = np.argsort(who, kind="stable")  # by request, each one's passes in order
+        who, ends, p, b = who[order], ends[order], p[order], b[order]
+        start = np.full(len(prompt_len), -1) if reached is None else reached
+        # a running max within each request's passes (each request's ends lifted above every
+        # earlier request's), shifted by one pass: the furthest end before each
+        lift = int(max(ends.max(), start.max(initial=0))) + 2
+        key = np.maximum(ends, start[who]) + who.astype(np.int64) * lift
+        most = np.maximum.accumulate(key) - who.astype(np.int64) * lift
+        first = np.ones(len(who), bool)
+        first[1:] = who[1:] != who[:-1]
+        out[p, b] &= ends > np.where(first, start[who], np.roll(most, 1))
+    if reached is not None:
+        np.maximum.at(reached, r[fed], end[fed])
+    return out
 
 
 SLOT_FIELDS = ("req", "num_tokens", "start_pos", "holder")  # [B] per pass
@@ -97,6 +125,7 @@ class Recorder:
     def __init__(self, prompt_len: np.ndarray):
         self._prompt_len = np.asarray(prompt_len)
         self._rows: list[tuple] = []
+        self._reached = np.full(len(self._prompt_len), -1)  # `emitted`'s, for the counts
 
     def add(self, start, duration, plan: Plan, holder, shape, kv_tokens, kv_reserved) -> int:
         """Record one pass (`shape`: the PassShape it ran at); returns how many output tokens it
@@ -109,7 +138,8 @@ class Recorder:
         shape = (shape.rows, shape.tokens, shape.context)
         row = pass_row(start, duration, plan, own(holder), shape, kv_tokens, kv_reserved)
         self._rows.append(tuple(row[k] for k in FIELDS))  # a tuple: the smallest host row
-        return int(emitted(plan.req, plan.num_tokens, plan.start_pos, self._prompt_len).sum())
+        fields = (x[None] for x in (plan.req, plan.num_tokens, plan.start_pos))
+        return int(emitted(*fields, self._prompt_len, self._reached).sum())
 
     def columns(self) -> dict:
         """The rows so far as one array per field ([passes] or [passes, slots]): a checkpoint's."""
@@ -118,6 +148,9 @@ class Recorder:
     def resume(self, columns: dict) -> None:
         """Continue after the rows of `columns` (see `columns`)."""
         self._rows = list(zip(*(columns[k] for k in FIELDS))) if columns else []
+        if columns:
+            fields = (np.asarray(columns[k]) for k in ("req", "num_tokens", "start_pos"))
+            emitted(*fields, self._prompt_len, self._reached)
 
     def finish(self, num_slots: int) -> Record:
         cols = dict(zip(FIELDS, zip(*self._rows), strict=True)) if self._rows else {}
