@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxbatch.backend.simulator import Simulator
+from jaxbatch.config import MemoryConfig
 from jaxbatch.engine import run
 from jaxbatch.run import simulate as run_config
 from jaxbatch.sched.policies import PolicyParams, make_policy
-from jaxbatch.sched.state import FINISHED, init_state
+from jaxbatch.sched.state import FINISHED, REJECTED, init_state
 from tests.conftest import make_config, make_workload
 from tests.test_scheduler import N, admission_pass, workloads
 
@@ -92,6 +95,40 @@ def test_orca_rejects_a_prompt_over_its_budget_and_serves_the_rest():
     cfg.policy.token_budget = 64
     res = run_config(cfg, w)
     np.testing.assert_array_equal(np.asarray(res.final.status), [FINISHED, 4, FINISHED])
+
+
+def test_orca_feeds_a_recomputation_longer_than_its_budget_in_pieces():
+    """Orca feeds whole prompts, but a preempted request recomputes its prompt and its outputs,
+    which can outgrow the budget: here request 6 (a 46-token prompt, low priority, admitted
+    early) is preempted twice, the second time at position 69, under a budget of 64. It takes
+    what the budget leaves and the rest in the passes after; fed whole it waited forever and the
+    run never ended. Every request ends with its whole output budget, no pass exceeds the
+    budget, and both loops make the same passes."""
+    w = make_workload(
+        [62, 75, 35, 117, 7, 34, 46, 68, 49, 16, 6],
+        [1, 2, 6, 39, 8, 26, 30, 10, 12, 17, 11],
+        arrival=[0.0, 0.0, 0.0, 0.0, 0.166, 0.876, 1.138, 2.864, 4.027, 4.244, 4.364],
+    )
+    w = dataclasses.replace(w, priority=np.array([2, 0, 2, 0, 0, 0, 0, 0, 2, 1, 1]))
+    runs = []
+    for loop in ("host", "device"):
+        cfg = make_config("orca", num_slots=6, backend="simulator", clock="passes", loop=loop)
+        cfg.policy.token_budget = 64
+        cfg.memory = MemoryConfig(layout="paged", budget_tokens=160, block_size=16, watermark=0.0)
+        runs.append(run_config(cfg, w))
+    host, device = runs
+    rec, final = host.record, host.final
+    served = np.asarray(final.status) != REJECTED  # prompts over 64 (1, 3, 7): rejected up front
+    assert (np.asarray(final.status)[served] == FINISHED).all() and served.sum() == 8
+    np.testing.assert_array_equal(np.bincount(rec.req[rec.emits], minlength=11)[served],
+                                  np.array(w.max_new)[served])  # fmt: skip
+    assert rec.num_tokens.sum(axis=1).max() <= 64
+    assert int(final.num_preemptions[6]) == 2
+    # its recomputation from position 0: 63 tokens beside one decode, short of the 69 it holds
+    starts = (rec.req == 6) & (rec.start_pos == 0) & (rec.num_tokens > 1)
+    assert sorted(rec.num_tokens[starts].tolist()) == [46, 49, 63]
+    for field in ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "rows", "context"):
+        np.testing.assert_array_equal(getattr(device.record, field), getattr(rec, field))
 
 
 def test_a_policy_that_strands_requests_fails_loudly():

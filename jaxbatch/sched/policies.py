@@ -393,6 +393,11 @@ def plan_budgeted(
     want = jnp.where((most == 0) | (jnp.arange(want.shape[0]) < most), want, 0)
     before = jnp.cumsum(want) - want
     if whole_prompts:
+        # A preempted request recomputes its prompt and its outputs, which can outgrow the whole
+        # budget (a prompt over it is rejected up front): fed whole it would never run, so it
+        # takes what the budget leaves, first in order, and the rest in the passes after.
+        again = state.num_generated[r][order] > 0
+        want = jnp.where(again & (want > params.token_budget), jnp.maximum(left, 0), want)
         fits = jnp.cumsum(want) <= left
         take = jnp.where(jnp.cumprod(fits) > 0, want, 0)  # stop at the first that does not fit
     else:
