@@ -48,6 +48,11 @@ from jaxbatch.sched.state import DECODE, FINISHED, IDLE, PREFILL, REJECTED, Plan
 
 class Backend(Protocol):
     buckets: object
+    # Whether the loop dispatches the next decode before the host has seen its plan (`ahead`):
+    # the runner's pass then runs while the host commits, at the shape the host guessed, which
+    # the record keeps. The simulator runs nothing, so its passes run (and are priced and
+    # recorded) at their own plans' shapes, as in its device loop.
+    runs_ahead: bool
 
     def warmup(self, shapes: list[PassShape], stop: Callable[[], bool] = never) -> None: ...
     def execute(
@@ -154,6 +159,8 @@ PLANNED_PASSES = 5_000
 class ShapeLog(Simulator):
     """The simulator on `buckets` (it runs nothing and draws token 0), counting the passes of each
     shape the loop asks it for (those dispatched ahead included), in order of first use."""
+
+    runs_ahead = True  # as the runner, whose warm-up these shapes are
 
     def __init__(self, buckets: Buckets):
         super().__init__(buckets.num_slots, buckets.max_len)
@@ -353,7 +360,7 @@ def run(
             state = times.rebase(state, sched_at)
         state, next_plan, stats = step(state, plan, tokens, params, times.device(sched_at))
         ends, guessable = next_ends(plan_h, ends, prompt_len, max_new)
-        if guessable and now >= last_arrival:
+        if guessable and now >= last_arrival and backend.runs_ahead:
             guess = ahead_shape(backend.buckets, ends)
             ahead = (guess, *backend.decode(next_plan, guess))
         next_h, holder, kv, reserved = unpack(np.asarray(stats), state.num_slots)

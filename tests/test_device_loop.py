@@ -29,8 +29,11 @@ RECORD_FIELDS = ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "k
 
 
 def _both(cfg, w):
-    device = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop="device"))
-    return simulate(cfg, w), simulate(device, w)
+    """The run of `cfg` on the host loop and on the device loop (the simulator's `auto` loop is
+    the device loop: a config left at it would run there twice)."""
+    host, device = (dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, loop=loop))
+                    for loop in ("host", "device"))  # fmt: skip
+    return simulate(host, w), simulate(device, w)
 
 
 @pytest.mark.parametrize("clock", ["passes", "priced"])
@@ -65,6 +68,30 @@ def test_device_loop_equals_host_loop_under_paged_preemption():
     for field in ("kind", "req", "num_tokens", "start_pos", "holder", "kv_reserved"):
         np.testing.assert_array_equal(getattr(device.record, field), getattr(host.record, field))
     np.testing.assert_array_equal(device.final.num_preemptions, host.final.num_preemptions)
+
+
+def test_the_simulators_host_loop_records_each_pass_at_its_plans_own_shape():
+    """Chunked prefill, priorities and paged preemption on 3 slots: a preemption can leave a
+    decode feeding fewer slots than the host loop foresaw. The runner's host loop dispatches the
+    next decode before it sees the plan, at a shape guessed from every slot's next position, and
+    records that shape (it is what ran); the simulator runs nothing, so its host loop prices and
+    records each pass at its plan's own shape, as its device loop does. It once recorded one
+    decode here at context 256, the guess, where the plan's own (and the price's) is 128."""
+    prompts = [99, 62, 18, 100, 62, 19, 17, 49, 82, 49, 101, 1, 51, 63, 114, 29]
+    budgets = [33, 3, 14, 30, 23, 37, 30, 36, 33, 6, 37, 33, 6, 39, 30, 13]
+    arrival = [0.0, 0.0, 0.33, 0.421, 0.484, 0.49, 0.677, 1.014, 1.237, 1.295, 1.72, 1.847, 2.1,
+               3.104, 3.338, 3.936]  # fmt: skip
+    priority = np.array([0, 0, 2, 2, 2, 2, 2, 2, 2, 1, 2, 0, 1, 2, 2, 1])
+    cfg = make_config("chunked", num_slots=3, backend="simulator", clock="passes")
+    cfg.policy.queue, cfg.policy.token_budget = "priority", 128
+    cfg.policy.long_prefill_threshold = 16
+    cfg.memory = MemoryConfig(layout="paged", budget_tokens=256, block_size=16, watermark=0.05)
+    w = dataclasses.replace(make_workload(prompts, budgets, arrival=arrival), priority=priority)
+    host, device = _both(cfg, w)
+    assert np.asarray(host.final.num_preemptions).sum() == 6
+    for field in RECORD_FIELDS:
+        np.testing.assert_array_equal(getattr(device.record, field), getattr(host.record, field),
+                                      err_msg=field)  # fmt: skip
 
 
 # sweep_bytes: one segment, or drained every 16 iterations; min_lanes 8: 3 members at once, 1:

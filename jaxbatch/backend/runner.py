@@ -221,6 +221,8 @@ def _jitted_pass(
 class Runner:
     """Holds the device state of a real run (parameters, KV cache, token buffer) and runs plans."""
 
+    runs_ahead = True  # the host loop dispatches a decode before it sees its plan (`engine`)
+
     def __init__(
         self,
         spec: ModelSpec,

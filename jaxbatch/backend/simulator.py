@@ -52,6 +52,7 @@ class Simulator:
             self._price, self._priced = jax.jit(host_price), at_shape
 
     num_branches = 0  # the device loop's warm-up: nothing to run once
+    runs_ahead = False  # each pass at its plan's own shape, the one it is priced at (`engine`)
 
     def consts(self) -> tuple:
         """The device step's constants: the mixed passes' top row bucket (the token budget's),
