@@ -99,10 +99,10 @@ def test_orca_rejects_a_prompt_over_its_budget_and_serves_the_rest():
 
 def test_orca_feeds_a_recomputation_longer_than_its_budget_in_pieces():
     """Orca feeds whole prompts, but a preempted request recomputes its prompt and its outputs,
-    which can outgrow the budget: here request 6 (a 46-token prompt, low priority, admitted
-    early) is preempted twice, the second time at position 69, under a budget of 64. It takes
-    what the budget leaves and the rest in the passes after; fed whole it waited forever and the
-    run never ended. Every request ends with its whole output budget, no pass exceeds the
+    which can outgrow the budget: here request 6 (a 46-token prompt of the lowest priority) is
+    preempted twice, the second time at position 69, under a budget of 64. It takes what the
+    budget leaves and the rest in the passes after; fed whole it waited forever and the run
+    never ended. Every request ends with its whole output budget, no pass exceeds the
     budget, and both loops make the same passes."""
     w = make_workload(
         [62, 75, 35, 117, 7, 34, 46, 68, 49, 16, 6],
@@ -124,7 +124,8 @@ def test_orca_feeds_a_recomputation_longer_than_its_budget_in_pieces():
                                   np.array(w.max_new)[served])  # fmt: skip
     assert rec.num_tokens.sum(axis=1).max() <= 64
     assert int(final.num_preemptions[6]) == 2
-    # its recomputation from position 0: 63 tokens beside one decode, short of the 69 it holds
+    # its prompt (46), its first recomputation whole (49), its second in pieces: 63 tokens beside
+    # one decode, short of the 69 it held
     starts = (rec.req == 6) & (rec.start_pos == 0) & (rec.num_tokens > 1)
     assert sorted(rec.num_tokens[starts].tolist()) == [46, 49, 63]
     for field in ("kind", "req", "num_tokens", "start_pos", "holder", "emits", "rows", "context"):
