@@ -60,6 +60,10 @@ def emitted(req, num_tokens, start_pos, prompt_len: np.ndarray, reached=None) ->
     req, num_tokens, start_pos = (np.asarray(x) for x in (req, num_tokens, start_pos))
     fed, end, r = num_tokens > 0, start_pos + num_tokens, np.maximum(req, 0)
     out = fed & (end >= prompt_len[r])
+    if reached is not None and len(req) == 1:  # one pass (the host loop's count, every pass)
+        out &= end > reached[r]
+        reached[r[fed]] = np.maximum(reached[r[fed]], end[fed])  # a request once a pass
+        return out
     # The furthest end binds only a request fed from position 0 again (a recomputation) or one
     # fed before these passes: each pass of another ends past its last.
     again = np.bincount(r[fed & (start_pos == 0)], minlength=len(prompt_len)) > 1
