@@ -9,7 +9,11 @@ import os
 
 # Tests compile hundreds of programs and time none: LLVM's optimisation level 0 cuts their
 # compilations by about a third (the suite by a fifth). XLA's HLO passes and fusions are those
-# of a user's run; only the generated loops are less optimised. And the dots run in XLA's own
+# of a user's run; only the generated loops are less optimised. The fusions' loops come from
+# XLA's elemental emitter, not its newer MLIR fusion emitters, which take longer to build them
+# (test_runner_device_loop alone: 43 s against 74 s, the whole suite 324 s against 614 s in
+# the working tree, 2026-12-07; the same HLO fusions, 37 of the same kinds in the test model's
+# forward pass, their loops written another way). And the dots run in XLA's own
 # kernels, not YNNPACK's fusions, whose programs take longer to build, load and first run
 # (test_lengths and test_hf: 81 s against 103 s, 2026-12-07, when the suite had grown past its
 # 10 minutes in a slow phase). A subprocess whose environment sets `USER_DOTS` keeps YNNPACK's
@@ -18,7 +22,7 @@ import os
 # inherit them.
 USER_DOTS = "JAXBATCH_TEST_USER_DOTS"
 YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
-for _flag in ["--xla_backend_optimization_level=0"] + (
+for _flag in ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"] + (
     [] if os.environ.get(USER_DOTS) else [YNN_OFF]
 ):
     if _flag not in os.environ.get("XLA_FLAGS", ""):
