@@ -138,16 +138,16 @@ def make_workload(prompt_len, max_new, arrival=None, seed=0) -> Workload:
     return Workload(arrival=arrival, prompt_len=prompt_len, max_new=np.asarray(max_new), seed=seed)
 
 
-# The files that take longest, longest first (by their tests' durations in one run, 2026-12-07:
-# 88 s for test_runner_device_loop down to 31 s for test_launchers, of 1,049 s in all): the
-# suite's two workers (`--dist loadfile`) take files in collection order, so a long file
-# collected last kept one worker busy after the other had finished (606 s for the suite in
-# alphabetical order, then 551 s with the longest first, minutes apart).
+# The files that take longest, longest first (by their tests' durations in one run, 2026-12-07,
+# twenty-sixth session: 54 s for test_interrupt down to 17 s for test_launchers, of 611 s in
+# all): the suite's two workers (`--dist loadfile`) take files in collection order, so a long
+# file collected last kept one worker busy after the other had finished (606 s for the suite in
+# alphabetical order, then 551 s with the longest first, minutes apart, eighteenth session).
 LONGEST_FIRST = (
-    "test_runner_device_loop.py", "test_mixed.py", "test_device_loop.py", "test_scheduler.py",
-    "test_interrupt.py", "test_sharding.py", "test_lengths.py", "test_hf.py", "test_kernels.py",
-    "test_engine.py", "test_batch_invariance.py", "test_train.py", "test_paged.py",
-    "test_vmap_launcher.py", "test_compile_cache.py", "test_launchers.py",
+    "test_interrupt.py", "test_device_loop.py", "test_runner_device_loop.py", "test_scheduler.py",
+    "test_lengths.py", "test_vmap_launcher.py", "test_train.py", "test_mixed.py", "test_engine.py",
+    "test_paged.py", "test_compile_cache.py", "test_kernels.py", "test_sharding.py", "test_hf.py",
+    "test_batch_invariance.py", "test_launchers.py",
 )  # fmt: skip
 
 
