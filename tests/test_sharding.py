@@ -1,6 +1,6 @@
 """Many devices: 8 simulated CPU devices in a subprocess (`tests/sharded_runs.py`). Tokens equal
-the single-device run for meshes 1x8, 2x4 and 8x1 on the host loop, and 2x4 on the device loop
-(slot and paged layouts), and the steady state compiles nothing; parameters and caches sit where
+the single-device run for meshes 1x8, 2x4 and 8x1 on the host loop and on the device loop (the
+paged layout on 2x4), and the steady state compiles nothing; parameters and caches sit where
 the partition rules say; a mesh the model or the slots cannot split is refused naming the valid
 sizes."""
 
@@ -48,8 +48,9 @@ def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
     meshes = {k.rsplit("/", 1)[1] for k in runs if k.startswith("contiguous/continuous/host")}
     assert meshes == {"1x1", "1x8", "2x4", "8x1"}
     assert {k for k in runs if "/device/" in k} == {
-        f"{layout}/chunked/device/{mesh}" for layout in ("contiguous", "paged")
-        for mesh in ("1x1", "2x4")
+        "contiguous/chunked/device/1x1", "contiguous/chunked/device/1x8",
+        "contiguous/chunked/device/2x4", "contiguous/chunked/device/8x1",
+        "paged/chunked/device/1x1", "paged/chunked/device/2x4",
     }  # fmt: skip
 
 
