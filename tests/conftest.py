@@ -11,9 +11,9 @@ import os
 # compilations by about a third (the suite by a fifth). XLA's HLO passes and fusions are those
 # of a user's run; only the generated loops are less optimised. The fusions' loops come from
 # XLA's elemental emitter, not its newer MLIR fusion emitters, which take longer to build them
-# (test_runner_device_loop alone: 43 s against 74 s, the whole suite 324 s against 614 s in
-# the working tree, 2026-12-07; the same HLO fusions, 37 of the same kinds in the test model's
-# forward pass, their loops written another way). And the dots run in XLA's own
+# (test_runner_device_loop alone, back to back: 43 s against 74 s, 2026-12-07; the same HLO
+# fusions, 37 of the same kinds in the test model's forward pass, their loops written another
+# way). And the dots run in XLA's own
 # kernels, not YNNPACK's fusions, whose programs take longer to build, load and first run
 # (test_lengths and test_hf: 81 s against 103 s, 2026-12-07, when the suite had grown past its
 # 10 minutes in a slow phase). A subprocess whose environment sets `USER_DOTS` keeps YNNPACK's
