@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from jaxbatch.clock import Clock
-from jaxbatch.config import ModelConfig
 from jaxbatch.report.metrics import request_times
 from jaxbatch.run import simulate
 from jaxbatch.sched.state import init_state
 from tests.conftest import make_config, make_workload
-from tests.test_device_loop import H100
+from tests.test_device_loop import H100, model_1b
 
 # Two requests a microsecond apart near 1e7 s, where float32 steps by a whole second.
 ARRIVALS = [0.0, 3.5, 1e6 + 0.123456, 1e7 + 0.654321, 1e7 + 0.654322, 1e7 + 20.25]
@@ -86,8 +85,7 @@ def test_the_device_loop_keeps_microseconds_on_the_priced_clock():
     as the host loop's to a microsecond near 1e7 s, every prompt at its arrival."""
     w = make_workload([8] * 6, [3] * 6, arrival=ARRIVALS)
     cfg = make_config(num_slots=2, backend="simulator", clock="priced")
-    cfg.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
-                                    n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    cfg.model = model_1b()
     cfg.hardware = H100
     host = simulate(cfg, w)
     device = simulate(

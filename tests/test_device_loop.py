@@ -22,6 +22,15 @@ from tests.conftest import make_config, make_workload
 
 H100 = HardwareConfig(name="h100_sxm", peak_tflops=989, memory_gb_s=3350, memory_gb=80,
                       link_gb_s=900)  # fmt: skip
+
+
+def model_1b() -> ModelConfig:
+    """A 1B-parameter model for the priced clock: passes of milliseconds on the H100 (a new
+    config each call: a run's validation may fill in its fields)."""
+    return dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
+                               n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+
+
 PROMPTS = [40, 7, 120, 33, 9, 64, 18, 90]
 BUDGETS = [12, 30, 5, 20, 8, 15, 25, 3]
 ARRIVALS = [0.0, 0.0, 1.5, 2.0, 2.0, 7.25, 9.0, 30.0]
@@ -43,9 +52,8 @@ def test_device_loop_plans_equal_host_loop_plans(policy, clock):
     cfg = make_config(policy, num_slots=3, backend="simulator", clock=clock)
     cfg.policy.token_budget = 128
     cfg.policy.max_wait_s = 1.0 if policy == "static" else 0.0
-    if clock == "priced":  # a 1B-parameter model: passes of milliseconds, arrivals seconds apart
-        cfg.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
-                                        n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    if clock == "priced":  # passes of milliseconds, arrivals seconds apart
+        cfg.model = model_1b()
         cfg.hardware = H100
         arrivals = [a * 0.01 for a in ARRIVALS]
     else:
@@ -84,9 +92,8 @@ def test_random_configs_run_alike_on_both_loops_and_in_a_sweep(rnd):
     cfg.policy.max_wait_s = float(rng.choice([0.0, 0.5])) if policy == "static" else 0.0
     paged = bool(rng.random() < 0.7)
     budget = int(rng.integers(9, 25)) * 16 if paged else 4096
-    if clock == "priced":  # the 1B-parameter model of the tests above, arrivals seconds apart
-        cfg.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
-                                        n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    if clock == "priced":  # passes of milliseconds, arrivals seconds apart
+        cfg.model = model_1b()
         cfg.hardware = H100
         arrival = arrival * 0.01
     layout = "paged" if paged else "contiguous"
@@ -317,8 +324,7 @@ def test_a_sweep_over_traced_knobs_and_paged_budgets_equals_its_runs_one_by_one(
     sized for the largest, under preemption) and watermark vary across the members of one
     program; each member equals its own run, field for field, on the priced clock."""
     base = make_config("chunked", num_slots=3, backend="simulator", clock="priced")
-    base.model = dataclasses.replace(ModelConfig(), n_layers=16, d_model=2048, n_heads=16,
-                                     n_kv_heads=8, d_mlp=5632, dtype="bfloat16")  # fmt: skip
+    base.model = model_1b()
     base.hardware = dataclasses.replace(H100, padded=True)  # prices the row buckets
     base = dataclasses.replace(base, engine=dataclasses.replace(base.engine, loop="device"))
     knobs = [(32, 0, 128, 0.0), (64, 16, 160, 0.0), (128, 8, 224, 0.05), (48, 0, 144, 0.1)]
