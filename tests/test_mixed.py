@@ -3,10 +3,13 @@ decode passes, and chunked prefill against one-shot prefill, in the slot and pag
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
+from jaxbatch.backend import executables
 from jaxbatch.backend.runner import Runner
+from jaxbatch.model import pass_attention
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from tests.conftest import make_workload
@@ -81,3 +84,52 @@ def test_chunked_prefill_equals_one_shot(spec, params, memory, chunks):
     np.testing.assert_array_equal(
         np.asarray(chunked.token_buf)[0, : n + 1], np.asarray(one.token_buf)[0, : n + 1]
     )
+
+
+@pytest.mark.parametrize("memory", [None, PAGED], ids=["slot", "paged"])
+def test_a_flat_pass_skips_the_context_its_chunks_do_not_see_and_computes_the_same(
+    spec, params, memory, monkeypatch
+):
+    """On the CPU a flat pass skips each cached segment no prompt chunk's row sees (a first chunk
+    sees none) with a conditional (`skips_unseen`): its tokens equal, and its logits and the
+    cache it writes equal up to float32 rounding (the branches compile apart: 6e-8 apart), those
+    of the pass that reads and masks every segment. The passes mix a decode
+    at a context in the cache's last segment read, a first chunk (no context), and a later
+    chunk that sees the first segment and part of the second."""
+    prompts = [150, 100]
+    steps = [  # kind, req, num_tokens, start
+        (PREFILL, [0, -1], [150, 0], [0, 0]),  # slot 0 cached to 150
+        (MIXED, [0, 1], [1, 70], [150, 0]),  # a decode at 150; slot 1's first chunk
+        (MIXED, [0, 1], [1, 30], [151, 70]),  # slot 1's second chunk sees 0..69
+    ]
+
+    def run():
+        r = _runner(spec, params, prompts, memory)
+        outs = [_execute(r, *step) for step in steps]
+        leaves = [np.asarray(x) for x in jax.tree.leaves(r.cache)]
+        return outs, leaves, r
+
+    skipping, skipping_cache, runner = run()
+    shape = runner.buckets.shape_of(Plan(*(np.asarray(x, np.int32) for x in steps[1][1:]),
+                                         np.int32(MIXED), np.float32(0),
+                                         np.zeros((2, 0), np.int32)))  # fmt: skip
+    hlo = runner._program(shape, runner._args(runner._idle_rows(shape))).as_text()
+    assert pass_attention.skips_unseen() and shape.flat and shape.context > 0
+    starts = np.cumsum([0] + [seg.shape[2] for seg in runner.cache.k[0]])[:-1]
+    segments = 1 if runner.paged else int((starts < shape.context).sum())  # the tiles read
+    assert hlo.count("conditional(") == spec.n_layers * segments
+    # The same passes reading every segment: compiled anew, not found in the process or store.
+    monkeypatch.setattr(pass_attention, "skips_unseen", lambda: False)
+    monkeypatch.setattr(executables, "store", lambda: None)
+    executables.clear()
+    jax.clear_caches()
+    reading, reading_cache, runner = run()
+    hlo = runner._program(shape, runner._args(runner._idle_rows(shape))).as_text()
+    assert "conditional(" not in hlo
+    for (tok_a, log_a), (tok_b, log_b) in zip(skipping, reading):
+        np.testing.assert_array_equal(tok_a, tok_b)
+        np.testing.assert_allclose(log_a, log_b, rtol=0, atol=1e-5)
+    for a, b in zip(skipping_cache, reading_cache):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    executables.clear()
+    jax.clear_caches()

@@ -12,10 +12,11 @@ it plus its own keys. Never writes the cache.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxbatch.model.attention import Partial, causal, merge, partial
+from jaxbatch.model.attention import MASKED, Partial, causal, merge, partial
 from jaxbatch.model.kernels import fused_partial, paged_decode
 from jaxbatch.model.kvcache import CacheIndex, PagedCache, SlotCache, values
 
@@ -76,13 +77,51 @@ def _visible(kv_pos: Array, q_pos: Array, first: Array, written: bool) -> Array:
     )
 
 
-def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, written: bool, part):
+def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, written: bool, part,
+          skip: bool = False):  # fmt: skip
     """The rows' partials over their slots' cached context, one per segment the cache holds it
-    in. `first`: per row, the first position this pass feeds for its slot."""
-    return [
-        part(q, k, v, _visible(start + jnp.arange(k.shape[2]), index.positions, first, written))
-        for k, v, start in cache.read(layer, index, ctx_len)
-    ]
+    in. `first`: per row, the first position this pass feeds for its slot. With `skip`, a
+    segment no valid row sees is neither read nor multiplied (`skips_unseen`)."""
+
+    def seen(k, start):
+        return _visible(start + jnp.arange(k.shape[2]), index.positions, first, written)
+
+    segments = cache.read(layer, index, ctx_len)
+    if not (skip and skips_unseen()):
+        return [part(q, k, v, seen(k, start)) for k, v, start in segments]
+
+    def segment(i):  # read inside the branch: a gathered segment is a copy
+        k, v, start = cache.read(layer, index, ctx_len)[i]
+        return part(q, k, v, seen(k, start))
+
+    parts = []
+    for i, (k, _, start) in enumerate(segments):
+        needed = (seen(k, start) & index.valid[:, :, None]).any()
+        shapes = jax.eval_shape(lambda i=i: segment(i))
+        parts.append(jax.lax.cond(needed, lambda i=i: segment(i), lambda s=shapes: _unseen(s)))
+    return parts
+
+
+def _unseen(shapes: Partial) -> Partial:
+    """The partial of a key set no query sees, as `merge` takes it: weight 0 beside any key a
+    query does see (its top is MASKED), a finite output where a query sees none."""
+    return Partial(jnp.zeros(shapes.out.shape, shapes.out.dtype),
+                   jnp.full(shapes.top.shape, MASKED, shapes.top.dtype),
+                   jnp.ones(shapes.total.shape, shapes.total.dtype))  # fmt: skip
+
+
+def skips_unseen() -> bool:
+    """Whether a flat pass skips, with a conditional, each cached segment that no row of its
+    prompt chunks sees (a first chunk sees none; the decodes in the pass set its context): on the
+    CPU and the TPU, which branch on the device. XLA's GPU conditional copies its predicate to
+    the host and waits for it (`ConditionalThunk`), a sync in every layer, so there the pass
+    reads and masks every segment. A pass of 15 decodes at context 256 and a first chunk, tiny
+    model, with and without the skip in one process (medians of 7): a chunk of 497 rows
+    0.71-0.72x the time, of 241 rows 0.83-0.84x; a chunk from position 128, which sees two of
+    the three segments, 0.85x and 0.94-0.97x. In realistic chunked (64 requests, 16
+    slots, prompts 16..128), 43 of 45 mixed passes hold only first chunks: their time 0.85-0.91x
+    in three runs, the decodes' unchanged."""
+    return jax.default_backend() in ("cpu", "tpu")
 
 
 def _cached_rows(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool, part):
@@ -129,7 +168,9 @@ def _cached_flat(q, cache, layer, index: CacheIndex, ctx_len: int, written: bool
     table = None if index.block_table is None else index.block_table[head]
     tiles = CacheIndex(slot[head], pos[members], member_ok, table)
     first_tiled = first_pos[slot_ok[head]]
-    tiled = _read(q[members, 0], cache, layer, tiles, ctx_len, first_tiled, written, part)
+    tiled = _read(
+        q[members, 0], cache, layer, tiles, ctx_len, first_tiled, written, part, skip=True
+    )
 
     at_tile = (jnp.clip(tile_of, 0, index.tiles - 1), offset % size)
     pick = lambda x, y: jnp.where(  # noqa: E731
