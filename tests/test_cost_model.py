@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,8 +62,10 @@ def test_work_at_the_runners_padded_shapes_by_hand():
     = 32 FLOPs; per cached position 2 x 4 x 4 = 32 bytes of K/V; per query 64 bytes of Q and O."""
     n, s, fed = np.array([1, 4]), np.array([3, 0]), np.array([True, True])
 
-    def work(rows, tokens, context, tiles, kind):
-        w = pass_work(SMALL, n, s, fed, padded=Padded(rows, tokens, context, tiles, kind, 2))
+    def work(rows, tokens, context, tiles, kind, tile_context=None):
+        read = context if tile_context is None else tile_context  # the tiles' positions
+        shape = Padded(rows, tokens, context, tiles, kind, 2, read)
+        w = pass_work(SMALL, n, s, fed, padded=shape)
         return {k: (float(np.sum(f)), float(np.sum(b))) for k, (f, b) in w.items()}
 
     # A flat pass of 8 rows, 1 query tile, context bucket 16: both slots' last rows and the
@@ -71,6 +74,9 @@ def test_work_at_the_runners_padded_shapes_by_hand():
     assert flat["qkv"][0] == 2 * 8 * 128
     assert flat["attention"] == (32 * (2 + 32) * 16, 32 * (3 * 16 + 8) + 64 * 8)
     assert flat["own_keys"] == (32 * 8 * 8, 0.0)
+    # Its chunks all from position 0: the tile reads nothing (`Buckets.tile_context`).
+    first = work(8, 1, 16, 1, MIXED, tile_context=0)
+    assert first["attention"] == (32 * 2 * 16, 32 * (2 * 16 + 8) + 64 * 8)
     # 256 rows: 4 blocks of 64 rows over 64, 128, 192 and 256 rows.
     assert work(256, 1, 16, 8, MIXED)["own_keys"][0] == 32 * 64 * (64 + 128 + 192 + 256)
     # Decode over both slots at context bucket 64, whatever each slot holds.
@@ -128,7 +134,7 @@ def test_a_price_is_each_operation_at_its_bound_plus_the_overhead():
     assert float(price(SMALL, slow, n, s, fed)) == pytest.approx(want + 3 * attention, rel=1e-6)
     # A padded entry prices the runner's shape of the pass; any other ignores it.
     padded = dataclasses.replace(hw, padded=True)
-    shape = Padded(8, 1, 16, 1, MIXED, 2)
+    shape = Padded(8, 1, 16, 1, MIXED, 2, 16)
     eight = 0.25 + sum(
         np.maximum(np.asarray(f) / 500.0, np.asarray(b) / 50.0).sum()
         for f, b in pass_work(SMALL, n, s, fed, padded=shape).values()
@@ -283,3 +289,32 @@ def test_metrics_name_the_hardware_a_run_was_priced_for(tmp_path):
     assert m["num_finished"] == 4 and m["duration_s"] > 0
     spec = cfg.model.spec()
     assert m["kv_budget_tokens"] == kv_budget_tokens(spec, hardware(cfg), 2)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["slot", "paged"])
+def test_the_positions_a_flat_pass_tiles_read_by_hand(paged):
+    """`Buckets.tile_context`, the positions a flat pass's query tiles read (the runner skips the
+    cache's segments no prompt chunk's row sees; `test_mixed` checks that it computes the
+    same): slot segments [0, 64), [64, 128), [128, 256), [256, 1024); a paged read is one."""
+    buckets = Buckets(4, 1024, 16, 512, 0 if paged else 64)
+
+    def read(starts, tokens, context):
+        plan = Plan(np.arange(4, dtype=np.int32), np.asarray(tokens, np.int32),
+                    np.asarray(starts, np.int32), np.int32(MIXED), np.float32(0), None)  # fmt: skip
+        return int(buckets.tile_context(plan, context)), int(
+            runner_shape(buckets, jax.tree.map(jnp.asarray, plan)).tile_context
+        )
+
+    # (chunk starts, tokens per slot, context bucket) -> slot, paged
+    cases = [
+        ([255, 0, 0, 0], [1, 40, 0, 0], 256, 0, 0),  # a decode and a first chunk
+        ([255, 70, 0, 0], [1, 40, 30, 0], 256, 128, 256),  # sees 0..69: to 128
+        ([255, 128, 0, 0], [1, 40, 0, 0], 256, 128, 256),  # sees 0..127
+        ([255, 129, 0, 0], [1, 40, 0, 0], 256, 256, 256),  # one more: the next segment
+        ([300, 10, 40, 0], [1, 5, 20, 0], 512, 64, 512),  # the furthest chunk's segment
+        ([500, 490, 0, 0], [1, 9, 0, 0], 512, 512, 512),  # at most the context
+        ([255, 300, 0, 0], [1, 1, 0, 0], 512, 0, 0),  # one token a slot: no tile rows
+    ]
+    for starts, tokens, context, slot, pages in cases:
+        want = pages if paged else slot
+        assert read(starts, tokens, context) == (want, want), (starts, tokens, context)

@@ -12,6 +12,7 @@ from functools import cache
 
 import numpy as np
 
+from jaxbatch.model.kvcache import segment_bounds
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 
 
@@ -172,6 +173,21 @@ class Buckets:
         kind = DECODE if shape.all_slots or shape.compact else MIXED if shape.flat else PREFILL
         any_plan = shape.flat and shape.tiles > int(self.tiles(shape.rows, False))
         return kind, shape.rows, shape.tokens, any_plan
+
+    def tile_context(self, plan: Plan, context, xp=np):
+        """The cached positions a flat pass's query tiles read, where the pass skips the
+        segments no prompt chunk's row sees (`pass_attention.skips_unseen`): the segments up to
+        the one holding the position before the furthest chunk's first, at most `context`; none
+        where every chunk starts at position 0. A slot cache reads whole segments
+        (`kvcache.segment_bounds`, its first `min_context` long), a paged one all of `context`
+        as one (`min_context` 0). Numpy or jnp, per pass like `shape_fields`."""
+        chunk = plan.num_tokens > 1  # a slot with rows besides its last: its rows are tiled
+        first = xp.max(xp.where(chunk, plan.start_pos, 0), axis=-1)
+        paged = not self.min_context
+        bounds = xp.asarray([0, self.max_len] if paged else
+                            segment_bounds(self.max_len, self.min_context))  # fmt: skip
+        end = bounds[xp.searchsorted(bounds, first)]  # the first bound at or past `first`
+        return xp.where(first > 0, xp.minimum(end, context), 0)
 
     def tiles(self, rows, any_plan, xp=np):
         """Query tiles of a flat pass of `rows` rows (numpy or jnp): one per QUERY_TILE rows,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets
-from jaxbatch.model.pass_attention import OWN_BLOCK
+from jaxbatch.model.pass_attention import OWN_BLOCK, skips_unseen
 from jaxbatch.model.spec import ModelSpec
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 
@@ -84,8 +84,9 @@ def matmuls(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 class Padded(NamedTuple):
     """A pass as the runner computes it (`runner_shape`): `rows` x `tokens` per row, the
-    `context` positions each row reads, the query `tiles` of a flat (mixed) pass, its `kind`
-    (numbers or traced scalars) and the cache's `slots`."""
+    `context` positions each row reads, the query `tiles` of a flat (mixed) pass and the
+    positions they read (`tile_context`), its `kind` (numbers or traced scalars) and the
+    cache's `slots`."""
 
     rows: Array
     tokens: Array
@@ -93,13 +94,17 @@ class Padded(NamedTuple):
     tiles: Array
     kind: Array
     slots: int
+    tile_context: Array
 
 
 def runner_shape(buckets: Buckets, plan: Plan, xp=jnp, mixed_rows=None) -> Padded:
     """The runner's shape of a plan, by its own rule (`Buckets.shape_fields`, numpy or jnp)."""
     rows, tokens, context, any_plan = buckets.shape_fields(plan, xp, mixed_rows)
-    tiles = xp.where(plan.kind == MIXED, buckets.tiles(rows, any_plan, xp), 0)
-    return Padded(rows, tokens, context, tiles, plan.kind, buckets.num_slots)
+    mixed = plan.kind == MIXED
+    tiles = xp.where(mixed, buckets.tiles(rows, any_plan, xp), 0)
+    read = buckets.tile_context(plan, context, xp) if skips_unseen() else context
+    tile_context = xp.where(mixed, read, 0)
+    return Padded(rows, tokens, context, tiles, plan.kind, buckets.num_slots, tile_context)
 
 
 def pass_work(
@@ -150,19 +155,20 @@ def _padded_attention(shape: Padded, per_pair, per_key, per_query) -> dict:
     """Attention as the runner computes it (`model.pass_attention`), every product at its padded
     shape. Decode: each slot's row reads its context bucket C. Prefill: rows x tokens queries,
     each row reading C (its K/V written first), or from position 0 its own tokens' full product.
-    Mixed (flat): each slot's last row reads C, as does each query tile of QUERY_TILE rows
-    (`tiles` of them); the pass's own keys are attended in blocks of OWN_BLOCK rows, each over
-    the rows up to its end: R rows, R (R + block) / 2 row pairs, priced as a matmul (`own_keys`).
+    Mixed (flat): each slot's last row reads C, and each query tile of QUERY_TILE rows
+    (`tiles` of them) the segments its chunks see (`tile_context`); the pass's own keys are
+    attended in blocks of OWN_BLOCK rows, each over the rows up to its end: R rows,
+    R (R + block) / 2 row pairs, priced as a matmul (`own_keys`).
     """
-    r, t, c, tiles = (jnp.asarray(x, jnp.float32) for x in shape[:4])
+    r, t, c, tiles, tc = (jnp.asarray(x, jnp.float32) for x in (*shape[:4], shape.tile_context))
     decode, mixed = shape.kind == DECODE, shape.kind == MIXED
-    # Rows that read a context bucket, and the queries among them.
-    readers = jnp.where(mixed, shape.slots + tiles, r) * (c > 0)
-    queries = jnp.where(mixed, shape.slots + tiles * QUERY_TILE, r * t) * (c > 0)
+    # Positions read from the cache, and (query, key) pairs over them.
+    read = jnp.where(mixed, shape.slots * c + tiles * tc, r * c)
+    pairs = jnp.where(mixed, shape.slots * c + tiles * QUERY_TILE * tc, r * t * c)
     prefill_own = jnp.where(decode | mixed | (c > 0), 0.0, r * t * t)  # from position 0
     attention = (
-        per_pair * (queries * c + prefill_own),
-        per_key * (readers * c + r * t) + per_query * r * t,  # read contexts, write new K/V
+        per_pair * (pairs + prefill_own),
+        per_key * (read + r * t) + per_query * r * t,  # read contexts, write new K/V
     )
     own = r * (r + jnp.minimum(r, OWN_BLOCK)) / 2
     own_keys = (jnp.where(mixed, per_pair * own, 0.0), jnp.float32(0.0))
