@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxbatch.backend.compilation import cache_hits, num_compiles
-from jaxbatch.backend.executables import compiled
+from jaxbatch.backend.executables import compile_now, compiled
 from jaxbatch.backend.runner_step import RunnerStep
 from jaxbatch.backend.simulator import Simulator
 from jaxbatch.clock import WINDOW, Clock
@@ -200,9 +200,9 @@ def run_device(
         named = key and built_in(policy)
         if named:  # found on disk by what makes it, without tracing it (`executables`)
             static = ("device_loop.segment", named, backend.program_key, size, window)
-            run = compiled(jitted, static, args, keep=False)  # kept below, PROGRAMS_KEPT at most
-        else:
-            run = jitted.lower(*args).compile()
+            run = compiled(jitted, static, args, keep=False, options=backend.compile_options)
+        else:  # kept below, PROGRAMS_KEPT at most
+            run = compile_now(jitted, args, backend.compile_options)
         if key:
             _programs[key] = run
             while len(_programs) > PROGRAMS_KEPT:

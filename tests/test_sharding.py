@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    # conftest's flags but with YNNPACK's fusions, as a user's run has them
+    # conftest's flags but with YNNPACK's fusions, as a user's run has them: the runner turns
+    # them off for its own programs (`compilation.runner_options`)
     flags = os.environ["XLA_FLAGS"].replace(YNN_OFF, "")
     flags = f"{flags} --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags, **{USER_DOTS: "1"})
@@ -35,11 +36,11 @@ def runs() -> dict:
 
 
 def test_tokens_on_every_mesh_equal_the_single_device_run(runs):
-    groups = {k.rsplit("/", 1)[0] for k in runs if not k.startswith(("placement", "stored"))}
+    groups = {k.rsplit("/", 1)[0] for k in runs if not k.startswith(("placement", "stored", "ynn"))}
     assert groups == {"contiguous/continuous/host", "contiguous/chunked/device",
                       "paged/chunked/device"}  # fmt: skip
     for key, run in runs.items():
-        if key.startswith(("placement", "stored")):
+        if key.startswith(("placement", "stored", "ynn")):
             continue
         alone = runs[key.rsplit("/", 1)[0] + "/1x1"]
         assert run["tokens"] == alone["tokens"] == run["again"], key
@@ -64,6 +65,13 @@ def test_passes_saved_on_part_of_the_devices_load_onto_those_devices(runs):
         assert stored["saved"] > 0 and stored["compiles"] == 0, loop
         assert stored["hits"] >= stored["saved"], loop
     assert runs["stored/2x2/device"]["saved"] == 1  # the loop's program (no pass of its own)
+
+
+def test_the_runners_programs_are_compiled_without_ynnpack_fusions_on_the_cpu(runs):
+    ynn = runs["ynn"]
+    assert ynn["plain"] >= 1  # this process's flags leave XLA's fusions on
+    assert len(ynn["passes"]) == 2 and ynn["passes"] == [0, 0]
+    assert len(ynn["device_loop"]) >= 1 and set(ynn["device_loop"]) == {0}
 
 
 def test_parameters_and_caches_sit_where_the_rules_say(runs):

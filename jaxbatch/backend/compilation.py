@@ -97,6 +97,22 @@ def take_thread_entry() -> bytes | None:
     return entry
 
 
+# XLA:CPU option naming the library (YNNPACK) fusions it builds; empty: none.
+YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def runner_options() -> dict[str, str]:
+    """XLA options of the runner's programs (its passes, and the device loop's segment that runs
+    them), chosen by platform here only. On the CPU, no YNNPACK fusions (jaxlib 0.10.2 builds them
+    for dots and reductions by default): a repeated run loads its programs and runs them first in
+    less time without them (realistic chunked, tiny model, device loop: warm-up 2.14-2.35 s
+    against 2.80-3.20 s; host loop 1.01-1.03 s against 1.14-1.18 s), and the passes take the
+    same time within this VM's noise (2026-12-07, README's Compilation). The scheduler's and the
+    simulator's programs keep XLA's defaults: a sweep's step is faster with YNNPACK's
+    reductions. Elsewhere nothing changes."""
+    return {YNN_FUSIONS: ""} if jax.default_backend() == "cpu" else {}
+
+
 def note_loaded() -> None:
     """Count a compiled pass loaded from `store()`."""
     _count("loaded")

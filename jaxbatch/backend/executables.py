@@ -47,15 +47,15 @@ def clear() -> None:
     _compiled.clear()
 
 
-def compiled(jitted, static: tuple, args: tuple, keep: bool = True):
-    """`jitted` (a `jax.jit` function) compiled for `args`: the process's copy, else the store's,
-    else compiled now (and saved). `static` names the program and every static argument it was
-    made with (reprs that do not change between processes). `keep=False`: not kept for the
-    process here (a caller that keeps its programs itself, with its own bound)."""
-    key = _key(static, args)
+def compiled(jitted, static: tuple, args: tuple, keep: bool = True, options: dict | None = None):
+    """`jitted` (a `jax.jit` function) compiled for `args` with XLA `options`: the process's copy,
+    else the store's, else compiled now (and saved). `static` names the program and every static
+    argument it was made with (reprs that do not change between processes). `keep=False`: not
+    kept for the process here (a caller that keeps its programs itself, with its own bound)."""
+    key = _key((*static, sorted((options or {}).items())), args)
     program = _compiled.get(key)
     if program is None:
-        program = _load(key) or _compile(jitted, args, key)
+        program = _load(key) or _compile(jitted, args, key, options)
         if keep:
             _compiled[key] = program
     return program
@@ -80,10 +80,28 @@ def _load(key: str):
     return program
 
 
-def _compile(jitted, args: tuple, key: str):
+def compile_now(jitted, args: tuple, options: dict | None = None):
+    """`jitted` lowered for `args` and compiled with XLA `options`; where this jaxlib does not
+    know an option (an older one), without them, once said in a warning."""
+    lowered = jitted.lower(*args)
+    if options and not _unknown_options:
+        try:
+            return lowered.compile(options)
+        except Exception as err:  # jaxlib raises its own error type for an unknown option
+            if not any(name in str(err) for name in options):
+                raise
+            _unknown_options.append(str(err))
+            _log.warning("XLA does not take %s (%s): compiling without them", options, err)
+    return lowered.compile()
+
+
+_unknown_options: list[str] = []  # why this jaxlib refused the options, once it did
+
+
+def _compile(jitted, args: tuple, key: str, options: dict | None = None):
     hits = thread_cache_hits()
     take_thread_entry()
-    program = jitted.lower(*args).compile()
+    program = compile_now(jitted, args, options)
     folder = store()
     # A program JAX loaded from its own persistent cache is saved with the bytes JAX read, never
     # serialized again: serialized again, it failed at its first run once loaded ("Function
