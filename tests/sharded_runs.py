@@ -85,12 +85,11 @@ def main() -> None:
             "cache": str(jax.tree.leaves(runner.cache)[0].sharding.spec),
             "devices": len(jax.tree.leaves(runner.cache)[0].sharding.device_set),
         }  # fmt: skip
-    # The runner's programs (a pass, the device loop's) are compiled without XLA:CPU's YNNPACK
-    # fusions (`compilation.runner_options`) in a process whose flags leave them on, as a
-    # user's do: a plain matmul here has one.
+    # The runner's device loop is compiled without XLA:CPU's YNNPACK fusions
+    # (`compilation.device_loop_options`) in a process whose flags leave them on, as a user's
+    # do: a plain matmul here has one, and so do the host loop's passes (XLA's defaults).
     ynn = lambda program: program.as_text().count("__ynn_fusion")  # noqa: E731
-    shapes = runner.buckets.for_workload(w.prompt_len, w.max_new)[:2]
-    runner.warmup(shapes)
+    runner.warmup(runner.buckets.for_workload(w.prompt_len, w.max_new)[:2])
     matmul = jax.jit(lambda a: a @ a).lower(jax.numpy.ones((16, 16))).compile()
     out["ynn"] = {
         "plain": ynn(matmul), "passes": [ynn(p) for p in runner._passes.values()],

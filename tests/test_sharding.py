@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    # conftest's flags but with YNNPACK's fusions, as a user's run has them: the runner turns
-    # them off for its own programs (`compilation.runner_options`)
+    # conftest's flags but with YNNPACK's fusions, as a user's run has them (but for the
+    # runner's device loop: `compilation.device_loop_options`)
     flags = os.environ["XLA_FLAGS"].replace(YNN_OFF, "")
     flags = f"{flags} --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags, **{USER_DOTS: "1"})
@@ -67,10 +67,10 @@ def test_passes_saved_on_part_of_the_devices_load_onto_those_devices(runs):
     assert runs["stored/2x2/device"]["saved"] == 1  # the loop's program (no pass of its own)
 
 
-def test_the_runners_programs_are_compiled_without_ynnpack_fusions_on_the_cpu(runs):
+def test_the_device_loop_is_compiled_without_ynnpack_fusions_on_the_cpu(runs):
     ynn = runs["ynn"]
     assert ynn["plain"] >= 1  # this process's flags leave XLA's fusions on
-    assert len(ynn["passes"]) == 2 and ynn["passes"] == [0, 0]
+    assert len(ynn["passes"]) == 2 and min(ynn["passes"]) >= 1  # the host loop's: XLA's defaults
     assert len(ynn["device_loop"]) >= 1 and set(ynn["device_loop"]) == {0}
 
 

@@ -97,19 +97,19 @@ def take_thread_entry() -> bytes | None:
     return entry
 
 
-# XLA:CPU option naming the library (YNNPACK) fusions it builds; empty: none.
+# XLA:CPU's option naming the library (YNNPACK) fusions it builds; empty: none.
 YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
 
 
-def runner_options() -> dict[str, str]:
-    """XLA options of the runner's programs (its passes, and the device loop's segment that runs
-    them), chosen by platform here only. On the CPU, no YNNPACK fusions (jaxlib 0.10.2 builds them
-    for dots and reductions by default): a repeated run loads its programs and runs them first in
-    less time without them (realistic chunked, tiny model, device loop: warm-up 2.14-2.35 s
-    against 2.80-3.20 s; host loop 1.01-1.03 s against 1.14-1.18 s), and the passes take the
-    same time within this VM's noise (2026-12-07, README's Compilation). The scheduler's and the
-    simulator's programs keep XLA's defaults: a sweep's step is faster with YNNPACK's
-    reductions. Elsewhere nothing changes."""
+def device_loop_options() -> dict[str, str]:
+    """XLA options of the runner's device loop (one program holding every pass it runs), chosen
+    by platform here only. On the CPU, no YNNPACK fusions (jaxlib 0.10.2 builds them for dots
+    and reductions by default): XLA's CPU client loads a program in time that grows faster than
+    its size, and a repeated run of realistic chunked (tiny model) then loads and first runs its
+    program in less time (warm-up 2.14-2.35 s against 2.80-3.20 s) at the same throughput
+    (0.996-0.999 of it, side by side). The host loop's passes, each a program of its own, keep
+    XLA's defaults: without the fusions realistic continuous ran 0.96-0.97 of its throughput
+    there (2026-12-07, README's Compilation). Elsewhere nothing changes."""
     return {YNN_FUSIONS: ""} if jax.default_backend() == "cpu" else {}
 
 

@@ -24,7 +24,6 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxbatch.backend.buckets import QUERY_TILE, Buckets, PassShape, decode_fits
-from jaxbatch.backend.compilation import runner_options
 from jaxbatch.backend.executables import abstract, compiled
 from jaxbatch.backend.sharding import cache_sharding, compact_decodes, replicated, shard_params
 from jaxbatch.interrupt import never
@@ -286,9 +285,7 @@ class Runner:
         if fn is None:  # parameters and buffers keep their types: only a shape's rows may vary
             static = (self.spec, shape, self.sampling, self.num_slots, self.with_logits)
             jitted = _jitted_pass(*static, self.placement)
-            fn = self._passes[kinds] = compiled(
-                jitted, ("runner._pass", *static), args, options=runner_options()
-            )
+            fn = self._passes[kinds] = compiled(jitted, ("runner._pass", *static), args)
         return fn
 
     def _idle_rows(self, shape: PassShape) -> tuple:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.backend.buckets import PassShape
-from jaxbatch.backend.compilation import runner_options
+from jaxbatch.backend.compilation import device_loop_options
 from jaxbatch.backend.runner import (
     Runner,
     decode_rows,
@@ -55,7 +55,7 @@ class RunnerStep:
         self.program_key = (RunnerStep, runner.spec, runner.sampling, self.buckets,
                             tuple(self.shapes))  # fmt: skip
         self.num_branches = len(self.shapes)  # warm-up runs each once
-        self.compile_options = runner_options()  # the passes' XLA options, as the host loop's
+        self.compile_options = device_loop_options()  # its program's XLA options
         # Shapes of the same rows (kind, rows, tokens per row, query tiles) share a path: a
         # switch over their contexts. The decodes' path comes first (kind 0).
         self.paths = sorted({_path(s) for s in self.shapes})

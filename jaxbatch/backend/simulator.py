@@ -35,7 +35,7 @@ class Simulator:
         # What the device step's program depends on: runs with equal keys share their compiled
         # device loop (`device_loop.run_device`).
         self.program_key = (Simulator, self.buckets, priced and (spec, *priced))
-        self.compile_options = {}  # XLA's defaults (`compilation.runner_options`: the runner's)
+        self.compile_options = {}  # XLA's defaults (the runner's: `device_loop_options`)
         self._tokens = jnp.zeros(num_slots, jnp.int32)
         self._price = self._priced = None
         if priced is not None:
