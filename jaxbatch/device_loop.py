@@ -201,9 +201,9 @@ def run_device(
         if named:  # found on disk by what makes it, without tracing it (`executables`)
             static = ("device_loop.segment", named, backend.program_key, size, window)
             run = compiled(jitted, static, args, keep=False, options=backend.compile_options)
-        else:  # kept below, PROGRAMS_KEPT at most
+        else:
             run = compile_now(jitted, args, backend.compile_options)
-        if key:
+        if key:  # kept for the process, PROGRAMS_KEPT at most
             _programs[key] = run
             while len(_programs) > PROGRAMS_KEPT:
                 del _programs[next(iter(_programs))]

@@ -108,7 +108,7 @@ def device_loop_options() -> dict[str, str]:
     its size, and a repeated run of realistic chunked (tiny model) then loads and first runs its
     program in less time (warm-up 2.14-2.35 s against 2.80-3.20 s) at the same throughput
     (0.996-0.999 of it, side by side). The host loop's passes, each a program of its own, keep
-    XLA's defaults: without the fusions realistic continuous ran 0.96-0.97 of its throughput
+    XLA's defaults: without the fusions realistic continuous ran 0.94-0.97 of its throughput
     there (2026-12-07, README's Compilation). Elsewhere nothing changes."""
     return {YNN_FUSIONS: ""} if jax.default_backend() == "cpu" else {}
 
