@@ -139,6 +139,32 @@ def test_a_pass_is_found_by_every_static_argument_and_argument_type():
     assert executables._key(static, (bf16, *args[1:])) != key
 
 
+def test_programs_of_other_xla_options_are_others_and_an_unknown_option_is_dropped(
+    monkeypatch, caplog
+):
+    """XLA's options are part of a program's key; an option this jaxlib does not know is dropped
+    with a warning (an older jaxlib than `compilation.device_loop_options` was measured on), and
+    later compilations of the process skip the options."""
+    double = jax.jit(lambda x: 2 * x + 1)
+    x = jnp.arange(4.0)
+    monkeypatch.setattr(compilation, "_store", [None])  # the process's programs only
+    plain = executables.compiled(double, ("test.double",), (x,))
+    options = {compilation.YNN_FUSIONS: ""}
+    other = executables.compiled(double, ("test.double",), (x,), options=options)
+    assert other is not plain
+    assert executables.compiled(double, ("test.double",), (x,), options=options) is other
+    assert executables.compiled(double, ("test.double",), (x,)) is plain
+    monkeypatch.setattr(executables, "_unknown_options", [])
+    unknown = {"xla_jaxbatch_no_such_option": "1"}
+    program = executables.compile_now(double, (x,), unknown)
+    np.testing.assert_array_equal(program(x), 2 * x + 1)
+    assert "xla_jaxbatch_no_such_option" in caplog.text
+    assert len(executables._unknown_options) == 1  # said once, then skipped
+    program = executables.compile_now(double, (x,), unknown)
+    np.testing.assert_array_equal(program(x), 2 * x + 1)
+    assert len(executables._unknown_options) == 1
+
+
 def test_the_store_drops_the_programs_used_least_recently(tmp_path):
     for i, size in enumerate([300, 200, 100, 400]):  # modified at times 0, 1, 2, 3
         path = tmp_path / f"{i}.exe"
