@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxbatch.backend.compilation import note_loaded, store, take_thread_entry, thread_cache_hits
+from jaxbatch.backend.host_malloc import loading
 
 _log = logging.getLogger(__name__)
 _compiled: dict[str, object] = {}  # the process's programs, by key
@@ -70,7 +71,8 @@ def _load(key: str):
         blob, device_ids = pickle.loads(path.read_bytes())
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]  # a mesh's, in its order: not every device
-        program = serialize_executable.deserialize_and_load(*blob, execution_devices=devices)
+        with loading():
+            program = serialize_executable.deserialize_and_load(*blob, execution_devices=devices)
     except Exception as err:  # a file cut short, or written by something else: compile anew
         _log.warning("could not load the compiled pass %s (%s): compiling it again", path, err)
         return None
