@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxbatch.backend import executables
-from jaxbatch.backend.runner import Runner
+from jaxbatch.backend.runner import Runner, Sampling, _pass
 from jaxbatch.model import pass_attention
+from jaxbatch.model.kvcache import segment_bounds
 from jaxbatch.sched.blocks import MemorySpec
 from jaxbatch.sched.state import DECODE, MIXED, PREFILL, Plan
 from tests.conftest import make_workload
@@ -133,3 +134,55 @@ def test_a_flat_pass_skips_the_context_its_chunks_do_not_see_and_computes_the_sa
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     executables.clear()
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("memory", [None, PAGED], ids=["slot", "paged"])
+def test_the_positions_a_flat_pass_s_tiles_read_are_those_the_cost_model_prices(
+    spec, params, memory, monkeypatch
+):
+    """The cached positions the runner's query tiles read, segment by segment as its
+    conditionals choose (`pass_attention._read` with the skip), equal `Buckets.tile_context`, by
+    which the cost model prices them: chunks from position 0 read nothing, a chunk from a
+    segment's first position reads the segments before it, one from inside a segment reads that
+    segment too; a paged cache reads the whole context as one segment, or nothing."""
+    w = make_workload([250] * 4, [4] * 4)
+    runner = Runner(spec, params, 4, w.prompts(spec.vocab_size, spec.max_len), w.prompt_len,
+                    memory=memory, mixed_rows=256)  # fmt: skip
+    b = runner.buckets
+    taken = []  # each conditional's choice, in trace order: layer by layer, segment by segment
+
+    def cond(pred, true_fn, false_fn, *operands):
+        taken.append(bool(pred))
+        return true_fn(*operands) if pred else false_fn(*operands)
+
+    monkeypatch.setattr(jax.lax, "cond", cond)
+    table = (np.arange(4)[:, None] * 16 + np.arange(runner.max_blocks)[None, :]).astype(np.int32)
+    cases = {  # (num_tokens, start_pos) per slot -> positions the tiles read
+        "first chunks and a decode": ([1, 40, 9, 0], [150, 0, 0, 0]),
+        "a chunk from 1": ([1, 20, 0, 0], [30, 1, 0, 0]),
+        "a chunk from 64, a segment's first": ([1, 20, 0, 0], [200, 64, 0, 0]),
+        "a chunk from 65": ([1, 20, 0, 0], [200, 65, 0, 0]),
+        "chunks from 10 and 130": ([30, 1, 20, 1], [10, 240, 130, 3]),
+        "a chunk from 200": ([40, 0, 0, 0], [200, 0, 0, 0]),
+    }
+    bounds = np.array(segment_bounds(spec.max_len, b.min_context) if b.min_context
+                      else [0, spec.max_len])  # fmt: skip
+    read = {}
+    for name, (num_tokens, start) in cases.items():
+        plan = Plan(np.arange(4, dtype=np.int32), np.array(num_tokens, np.int32),
+                    np.array(start, np.int32), np.int32(MIXED), np.float32(0), table)  # fmt: skip
+        shape = b.shape_of(plan)
+        assert shape.flat and shape.tiles
+        taken.clear()
+        _pass(*runner._buffers(), plan, spec=spec, shape=shape, sampling=Sampling(),
+              num_slots=4, with_logits=False)  # fmt: skip
+        starts = bounds[:-1][bounds[:-1] < shape.context]
+        lengths = np.minimum(bounds[1 : len(starts) + 1], shape.context) - starts
+        per_layer = np.array(taken).reshape(spec.n_layers, len(starts))
+        assert (per_layer == per_layer[0]).all()
+        read[name] = int(lengths[per_layer[0]].sum())
+        assert read[name] == int(b.tile_context(plan, shape.context)), name
+    if memory is None:
+        assert list(read.values()) == [0, 64, 64, 128, 256, 256]
+    else:
+        assert read["first chunks and a decode"] == 0 and read["a chunk from 1"] > 0
