@@ -1,11 +1,12 @@
 """glibc's malloc while XLA loads a compiled program from the store (`executables._load`).
 
-A load rebuilds the program's HLO module, buffer assignment and thunks from their protos: millions
-of small objects made, copied and freed. `perf` on the load of the runner's device-loop program
+A load rebuilds the program's HLO module, buffer assignment and thunks from their protos: a great
+many small objects made, copied and freed. `perf` on the load of the runner's device-loop program
 (realistic chunked, 59,816 HLO instructions, 1.9-2.0 s; 2026-12-07, twenty-ninth session): glibc's
-malloc and free 24% of its samples, 13% of them `malloc_consolidate` and `unlink_chunk` (freed
-small chunks wait in fastbins, which every larger request first merges), and the kernel 28%
-(pages faulted in as the heap grows back after each trim, and `mprotect` of the object code).
+malloc and free 24% of its samples (`malloc_consolidate` and `unlink_chunk` 13%: freed small
+chunks wait in fastbins, which every larger request first merges), and the kernel 28%
+(page faults 17% as the heap grows, `mprotect` 10%: glibc growing a thread's heap; with the pad
+below it left the profile's top entries).
 So while any thread loads, fastbins are off (M_MXFAST 0) and the heap's top keeps TOP_PAD of
 headroom (M_TOP_PAD); both go back to glibc's defaults once the last load ends. Setting M_TOP_PAD
 also stops glibc from moving its mmap threshold (it stays where the process had taken it).
