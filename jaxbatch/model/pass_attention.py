@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from jaxbatch.model.attention import MASKED, Partial, causal, merge, partial
@@ -86,16 +87,18 @@ def _read(q, cache, layer, index: CacheIndex, ctx_len: int, first: Array, writte
     def seen(k, start):
         return _visible(start + jnp.arange(k.shape[2]), index.positions, first, written)
 
-    segments = cache.read(layer, index, ctx_len)
     if not (skip and skips_unseen()):
-        return [part(q, k, v, seen(k, start)) for k, v, start in segments]
+        return [part(q, k, v, seen(k, start)) for k, v, start in cache.read(layer, index, ctx_len)]
 
-    def segment(i):  # read inside the branch: a gathered segment is a copy
+    def segment(i):  # read inside the branch only: a gathered segment is a copy
         k, v, start = cache.read(layer, index, ctx_len)[i]
         return part(q, k, v, seen(k, start))
 
+    # The segments' shapes, traced apart: each segment starts where the one before it ended.
+    keys = [k for k, _, _ in jax.eval_shape(lambda: cache.read(layer, index, ctx_len))]
+    starts = np.cumsum([0] + [k.shape[2] for k in keys])
     parts = []
-    for i, (k, _, start) in enumerate(segments):
+    for i, (k, start) in enumerate(zip(keys, starts.tolist())):
         needed = (seen(k, start) & index.valid[:, :, None]).any()
         shapes = jax.eval_shape(lambda i=i: segment(i))
         parts.append(jax.lax.cond(needed, lambda i=i: segment(i), lambda s=shapes: _unseen(s)))
