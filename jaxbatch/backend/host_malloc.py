@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import threading
 from functools import cache
@@ -49,10 +48,10 @@ def _mallopt():
     ):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: the C library its malloc is from
         libc.gnu_get_libc_version  # noqa: B018  (glibc's own: absent from musl and others)
         return libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows takes no None
         return None
 
 
