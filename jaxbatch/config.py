@@ -437,6 +437,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("engine.loop", e.loop, "checkpoints and resume need the host loop")
     _one_of("engine.backend", e.backend, BACKENDS)
     _positive("engine.num_slots", e.num_slots)
+    if not str(e.compile_cache).strip():  # Path("") is the working directory: a repo filled
+        raise ConfigError(
+            "engine.compile_cache", e.compile_cache, "user (the default), off, or a folder"
+        )
     _one_of("engine.clock", e.clock, CLOCKS)
     if e.backend == "simulator" and e.clock == "measured":
         raise ConfigError(

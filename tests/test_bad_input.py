@@ -39,6 +39,13 @@ from jaxbatch.workload import WorkloadError, read_text, read_trace
             "engine.clock='wall' is not valid: use one of auto, measured, passes, priced",
         ),
         ("model", "n_kv_heads", 3, "model.n_kv_heads=3 is not valid: must divide n_heads=4"),
+        # an empty path was the working directory: a run's compile cache went into the repo
+        (
+            "engine",
+            "compile_cache",
+            "",
+            "engine.compile_cache='' is not valid: user (the default), off, or a folder",
+        ),
         (
             "engine",
             "decode_rows",
